@@ -1,0 +1,125 @@
+"""The paged pool's physical blocks as a grid coloured by state, updated live from KVStats.block_states.
+
+The states are drawn as an 8-bit indexed image (one pixel per block) scaled up to square cells, so a pool of
+thousands of blocks costs one drawImage per paint; repaints are coalesced by Qt's update().
+"""
+
+from __future__ import annotations
+
+import math
+
+from PySide6.QtCore import QRect, Qt
+from PySide6.QtGui import QColor, QImage, QPainter
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QStackedWidget, QVBoxLayout, QWidget
+
+from app.style import BLOCK_COLORS, BLOCK_LABELS, PLOT_BACKGROUND
+
+PAD_INDEX = len(BLOCK_COLORS)  # colour of the cells past the last block
+NO_BLOCKS_TEXT = {
+    "none": "keeps no KV cache at all: every step recomputes the whole context.",
+    "contiguous": "reserves one contiguous buffer per sequence, sized for the whole context.",
+}
+
+
+def grid_shape(num_blocks: int, width: int, height: int) -> tuple[int, int, int]:
+    """(columns, rows, cell size in pixels) of the largest square cells that fit num_blocks in the area."""
+    if num_blocks <= 0 or width <= 0 or height <= 0:
+        return 0, 0, 0
+    cell = max(1, int(math.sqrt(width * height / num_blocks)))
+    while cell > 1:
+        cols = max(1, width // cell)
+        if math.ceil(num_blocks / cols) * cell <= height:
+            break
+        cell -= 1
+    cols = max(1, width // cell)
+    return cols, math.ceil(num_blocks / cols), cell
+
+
+class BlockGrid(QWidget):
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.states = b""
+        self._colors = [QColor(c).rgb() for c in BLOCK_COLORS] + [QColor(PLOT_BACKGROUND).rgb()]
+        self.setMinimumSize(120, 80)
+        self.setMouseTracking(True)
+
+    def set_states(self, states: bytes) -> None:
+        self.states = bytes(states)
+        self.update()
+
+    def paintEvent(self, event) -> None:  # noqa: N802 (Qt override)
+        painter = QPainter(self)
+        painter.fillRect(self.rect(), QColor(PLOT_BACKGROUND))
+        cols, rows, cell = grid_shape(len(self.states), self.width(), self.height())
+        if not cols:
+            return
+        data = self.states + bytes([PAD_INDEX]) * (cols * rows - len(self.states))
+        image = QImage(data, cols, rows, cols, QImage.Format.Format_Indexed8)
+        image.setColorTable(self._colors)
+        painter.drawImage(QRect(0, 0, cols * cell, rows * cell), image)
+        if cell >= 5:  # gaps between cells
+            painter.setPen(QColor(PLOT_BACKGROUND))
+            for c in range(cols + 1):
+                painter.drawLine(c * cell, 0, c * cell, rows * cell)
+            for r in range(rows + 1):
+                painter.drawLine(0, r * cell, cols * cell, r * cell)
+        painter.end()
+
+    def block_at(self, x: int, y: int) -> int | None:
+        cols, rows, cell = grid_shape(len(self.states), self.width(), self.height())
+        if not cols or x >= cols * cell or y >= rows * cell:
+            return None
+        index = (y // cell) * cols + x // cell
+        return index if index < len(self.states) else None
+
+    def mouseMoveEvent(self, event) -> None:  # noqa: N802
+        pos = event.position().toPoint()
+        index = self.block_at(pos.x(), pos.y())
+        self.setToolTip("" if index is None else f"block {index}: {BLOCK_LABELS[self.states[index]]}")
+
+
+class BlockMap(QWidget):
+    """Call set_stats(kv) with each KVStats; non-paged strategies show a line of text instead of a grid."""
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("blockMapPage")
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(8, 4, 8, 8)
+        layout.addWidget(QLabel("Block pool", self, objectName="sectionTitle"))
+        self.summary = QLabel("No model loaded yet.", self, objectName="muted", wordWrap=True)
+        layout.addWidget(self.summary)
+        self.stack = QStackedWidget(self)
+        self.grid = BlockGrid(self.stack)
+        self.message = QLabel("", self.stack, objectName="muted", wordWrap=True)
+        self.message.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.stack.addWidget(self.grid)
+        self.stack.addWidget(self.message)
+        layout.addWidget(self.stack, 1)
+        layout.addLayout(self._legend())
+
+    def set_stats(self, kv) -> None:
+        if not kv.num_blocks or not kv.block_states:
+            why = NO_BLOCKS_TEXT.get(kv.strategy, "does not use a block pool.")
+            self.message.setText(f"The '{kv.strategy}' strategy has no blocks: it {why}")
+            self.summary.setText(f"{kv.tokens:,} tokens held")
+            self.stack.setCurrentWidget(self.message)
+            return
+        self.summary.setText(
+            f"{kv.strategy}: {kv.num_blocks:,} blocks × {kv.block_size} tokens · {kv.num_blocks_used:,} used · "
+            f"{kv.num_blocks_cached:,} cached · {kv.num_blocks_free:,} free"
+        )
+        self.grid.set_states(kv.block_states)
+        self.stack.setCurrentWidget(self.grid)
+
+    @property
+    def showing_grid(self) -> bool:
+        return self.stack.currentWidget() is self.grid
+
+    def _legend(self) -> QHBoxLayout:
+        row = QHBoxLayout()
+        row.setSpacing(10)
+        for color, label in zip(BLOCK_COLORS, BLOCK_LABELS):
+            row.addWidget(QLabel(f'<span style="color:{color}; font-size:14pt;">■</span> {label}', self))
+        row.addStretch(1)
+        return row

@@ -1,0 +1,209 @@
+"""The conversation: a scrolling list of messages, an error banner, and the input box with Send / Stop."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtWidgets import (
+    QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QScrollArea, QToolButton, QVBoxLayout, QWidget,
+)
+
+from app.message_widget import MessageWidget
+
+MAX_INPUT_LINES = 8
+
+
+class ChatInput(QPlainTextEdit):
+    """Enter sends, Shift+Enter starts a new line; grows with its text up to MAX_INPUT_LINES."""
+
+    submitted = Signal()
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("chatInput")
+        self.setPlaceholderText("Send a message  (Enter to send, Shift+Enter for a new line)")
+        self.setTabChangesFocus(True)
+        self.document().contentsChanged.connect(self._fit_height)
+        self._fit_height()
+
+    def keyPressEvent(self, event) -> None:  # noqa: N802 (Qt override)
+        enter = event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter)
+        if enter and not event.modifiers() & Qt.KeyboardModifier.ShiftModifier:
+            self.submitted.emit()
+            return
+        super().keyPressEvent(event)
+
+    def _fit_height(self) -> None:
+        line = self.fontMetrics().lineSpacing()
+        lines = min(max(self.document().lineCount(), 1), MAX_INPUT_LINES)
+        margins = self.contentsMargins()
+        self.setFixedHeight(lines * line + 2 * int(self.document().documentMargin()) + margins.top()
+                            + margins.bottom() + 8)
+
+
+class ChatView(QWidget):
+    """Shows the messages; asks (through signals) for sends, stops, regenerations and edits."""
+
+    send_requested = Signal(str)
+    stop_requested = Signal()
+    regenerate_requested = Signal()
+    edit_requested = Signal(str)
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.messages: list[MessageWidget] = []
+        self._generating = False
+        self._build()
+        self._refresh_actions()
+
+    # --- messages ----------------------------------------------------------------------------------------------
+    def add_message(self, role: str, text: str) -> MessageWidget:
+        widget = MessageWidget(role, text, self._list)
+        widget.regenerate_clicked.connect(self.regenerate_requested.emit)
+        widget.edit_submitted.connect(self.edit_requested.emit)
+        row = QHBoxLayout()
+        if role == "user":
+            row.addStretch(1)
+        row.addWidget(widget, 6)
+        self._list_layout.insertLayout(self._list_layout.count() - 1, row)
+        self.messages.append(widget)
+        self._placeholder.hide()
+        self._refresh_actions()
+        self.scroll_to_bottom()
+        return widget
+
+    def remove_last(self) -> None:
+        if not self.messages:
+            return
+        widget = self.messages.pop()
+        row = self._list_layout.takeAt(self._list_layout.count() - 2)
+        widget.deleteLater()
+        if row is not None and row.layout() is not None:
+            row.layout().deleteLater()
+        self._placeholder.setVisible(not self.messages)
+        self._refresh_actions()
+
+    def clear(self) -> None:
+        while self.messages:
+            self.remove_last()
+
+    def set_messages(self, messages: list[tuple[str, str]]) -> None:
+        self.clear()
+        for role, text in messages:
+            self.add_message(role, text)
+
+    def message_texts(self) -> list[tuple[str, str]]:
+        return [(m.role, m.text) for m in self.messages]
+
+    def append_to_last(self, piece: str) -> None:
+        if self.messages and self.messages[-1].role == "assistant":
+            follow = self._at_bottom()
+            self.messages[-1].append_text(piece)
+            if follow:
+                self.scroll_to_bottom()
+
+    # --- state ----------------------------------------------------------------------------------------------------
+    def set_generating(self, generating: bool) -> None:
+        self._generating = generating
+        self.send_button.setText("Stop" if generating else "Send")
+        self.send_button.setProperty("stop", generating)
+        self.send_button.style().unpolish(self.send_button)
+        self.send_button.style().polish(self.send_button)
+        self._refresh_actions()
+
+    @property
+    def generating(self) -> bool:
+        return self._generating
+
+    def set_input_enabled(self, enabled: bool, reason: str = "") -> None:
+        self.input.setEnabled(enabled)
+        self.send_button.setEnabled(enabled or self._generating)
+        self.input.setPlaceholderText(reason or "Send a message  (Enter to send, Shift+Enter for a new line)")
+
+    def show_error(self, message: str) -> None:
+        self._error_label.setText(message)
+        self._error_banner.show()
+
+    def clear_error(self) -> None:
+        self._error_banner.hide()
+
+    @property
+    def error_text(self) -> str:
+        return self._error_label.text() if self._error_banner.isVisibleTo(self) else ""
+
+    def scroll_to_bottom(self) -> None:
+        QTimer.singleShot(0, self._scroll_now)
+
+    # --- internals ---------------------------------------------------------------------------------------------
+    def _build(self) -> None:
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.setSpacing(0)
+        self.scroll = QScrollArea(self, widgetResizable=True, objectName="chatScroll")
+        self.scroll.setFrameShape(QFrame.Shape.NoFrame)
+        self._list = QWidget(objectName="chatList")
+        self._list_layout = QVBoxLayout(self._list)
+        self._list_layout.setContentsMargins(24, 16, 24, 16)
+        self._list_layout.setSpacing(12)
+        self._list_layout.addStretch(1)
+        self.scroll.setWidget(self._list)
+        layout.addWidget(self.scroll, 1)
+        self._placeholder = QLabel("Start a conversation.\nThe side panel shows what the KV cache does, token by token.",
+                                   self._list, objectName="placeholder", alignment=Qt.AlignmentFlag.AlignCenter)
+        self._list_layout.insertWidget(0, self._placeholder)
+        layout.addWidget(self._build_error_banner())
+        layout.addWidget(self._build_input_row())
+
+    def _build_error_banner(self) -> QFrame:
+        self._error_banner = QFrame(self, objectName="errorBanner")
+        row = QHBoxLayout(self._error_banner)
+        row.setContentsMargins(12, 6, 6, 6)
+        self._error_label = QLabel(self._error_banner, wordWrap=True, objectName="errorLabel")
+        self._error_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        close = QToolButton(self._error_banner, text="Dismiss", objectName="messageAction")
+        close.clicked.connect(self.clear_error)
+        row.addWidget(self._error_label, 1)
+        row.addWidget(close)
+        self._error_banner.hide()
+        return self._error_banner
+
+    def _build_input_row(self) -> QFrame:
+        frame = QFrame(self, objectName="inputFrame")
+        row = QHBoxLayout(frame)
+        row.setContentsMargins(16, 10, 16, 12)
+        self.input = ChatInput(frame)
+        self.input.submitted.connect(self._submit)
+        self.send_button = QPushButton("Send", frame, objectName="sendButton")
+        self.send_button.setMinimumWidth(84)
+        self.send_button.clicked.connect(self._send_or_stop)
+        row.addWidget(self.input, 1)
+        row.addWidget(self.send_button, 0, Qt.AlignmentFlag.AlignBottom)
+        return frame
+
+    def _send_or_stop(self) -> None:
+        if self._generating:
+            self.stop_requested.emit()
+        else:
+            self._submit()
+
+    def _submit(self) -> None:
+        text = self.input.toPlainText().strip()
+        if not text or self._generating or not self.input.isEnabled():
+            return
+        self.input.clear()
+        self.send_requested.emit(text)
+
+    def _refresh_actions(self) -> None:
+        idle = not self._generating
+        last_user = max((i for i, m in enumerate(self.messages) if m.role == "user"), default=None)
+        for i, message in enumerate(self.messages):
+            last = i == len(self.messages) - 1
+            message.set_actions(edit=idle and i == last_user and i >= len(self.messages) - 2,
+                                regenerate=idle and last and message.role == "assistant")
+
+    def _at_bottom(self) -> bool:
+        bar = self.scroll.verticalScrollBar()
+        return bar.value() >= bar.maximum() - 40
+
+    def _scroll_now(self) -> None:
+        bar = self.scroll.verticalScrollBar()
+        bar.setValue(bar.maximum())

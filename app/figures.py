@@ -1,0 +1,85 @@
+"""The figures beside the plots, as (title, value, detail) rows: pure functions of what the engine reported."""
+
+from __future__ import annotations
+
+from html import escape
+
+from app.model_info import ModelInfo
+from app.style import TEXT_MUTED, human_bytes, strategy_color
+
+INT8_BYTES = 1
+
+
+def figure_rows(info: ModelInfo | None, kv, last_done=None) -> list[tuple[str, str, str]]:
+    """kv: the latest KVStats (or None); last_done: the last turn's DoneEvent (or None)."""
+    if info is None:
+        return [("Model", "loading…", "")]
+    rows = [_bytes_per_token(info, kv), _gqa(info), _int8(info, kv)]
+    if kv is not None:
+        rows += [_utilisation(kv), _memory_now(kv)]
+    rows.append(_prefix_hits(last_done))
+    return rows
+
+
+def figures_html(rows: list[tuple[str, str, str]]) -> str:
+    cells = "".join(
+        f'<tr><td style="color:{TEXT_MUTED}; padding-right:10px;">{escape(title)}</td>'
+        f'<td><b>{escape(value)}</b><br><span style="color:{TEXT_MUTED}; font-size:small;">{escape(detail)}'
+        f"</span></td></tr>"
+        for title, value, detail in rows
+    )
+    return f'<table cellspacing="0" cellpadding="3">{cells}</table>'
+
+
+def strategy_badge(strategy: str) -> str:
+    return f'<span style="color:{strategy_color(strategy)};">■</span> {escape(strategy)}'
+
+
+def _bytes_per_token(info: ModelInfo, kv) -> tuple[str, str, str]:
+    strategy = kv.strategy if kv is not None else info.cache_strategy
+    bpe = kv.bytes_per_element if kv is not None and kv.bytes_per_element else info.dtype_bytes
+    value = f"{human_bytes(info.bytes_per_token(bpe))} / token ({strategy})"
+    return ("KV bytes per token", value, info.formula(bpe))
+
+
+def _gqa(info: ModelInfo) -> tuple[str, str, str]:
+    mha = 2 * info.dtype_bytes * info.num_layers * info.num_heads * info.head_dim
+    value = f"{info.gqa_ratio:g}× smaller than multi-head"
+    detail = (f"{info.num_heads} query heads share {info.num_kv_heads} KV heads; multi-head would need "
+              f"{mha:,} bytes/token")
+    return ("Grouped-query saving", value, detail)
+
+
+def _int8(info: ModelInfo, kv) -> tuple[str, str, str]:
+    full = info.dtype_bytes
+    if kv is not None and kv.strategy == "paged-int8" and kv.bytes_per_element:
+        ratio = full / kv.bytes_per_element
+        return ("int8 compression", f"{ratio:.2f}× smaller",
+                f"{info.dtype_name}: {full} B/element → int8 with scales: {kv.bytes_per_element:.3g} B/element")
+    return ("int8 compression", f"up to {full / INT8_BYTES:g}× with paged-int8",
+            f"{info.dtype_name} stores {full} B/element; int8 stores {INT8_BYTES} B plus its scales")
+
+
+def _utilisation(kv) -> tuple[str, str, str]:
+    if not kv.bytes_allocated:
+        return ("Pool utilisation", "nothing allocated", f"{kv.strategy} holds no KV storage now")
+    share = kv.bytes_used / kv.bytes_allocated
+    detail = f"{human_bytes(kv.bytes_used)} used of {human_bytes(kv.bytes_allocated)} allocated"
+    if kv.num_blocks:
+        detail += (f"; blocks: {kv.num_blocks_used} used, {kv.num_blocks_cached} cached, "
+                   f"{kv.num_blocks_free} free of {kv.num_blocks}")
+    return ("Pool utilisation", f"{share:.1%}", detail)
+
+
+def _memory_now(kv) -> tuple[str, str, str]:
+    detail = (f"{kv.tokens:,} tokens held; theoretical {human_bytes(kv.bytes_theoretical)}, "
+              f"used {human_bytes(kv.bytes_used)}")
+    return ("KV memory now", human_bytes(kv.bytes_allocated), detail)
+
+
+def _prefix_hits(done) -> tuple[str, str, str]:
+    if done is None:
+        return ("Prefix cache, last turn", "–", "no turn yet")
+    total = max(done.n_prompt_tokens, 1)
+    value = f"{done.prefix_hit_tokens:,} of {done.n_prompt_tokens:,} prompt tokens reused"
+    return ("Prefix cache, last turn", value, f"{done.prefix_hit_tokens / total:.0%} of the prompt was not recomputed")

@@ -1,0 +1,164 @@
+"""One chat message: a role header with actions, the rendered text, and an inline editor for the user's last turn."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QTimer, QUrl, Signal
+from PySide6.QtGui import QGuiApplication
+from PySide6.QtWidgets import (
+    QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QSizePolicy, QTextBrowser, QToolButton, QVBoxLayout,
+    QWidget,
+)
+
+from app.markdown_render import render_markdown, render_plain
+
+RENDER_INTERVAL_MS = 50  # a streaming reply is re-rendered at most this often
+
+
+class MessageBrowser(QTextBrowser):
+    """Read-only rich text that grows to fit its content and never loads anything: no links, no images."""
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setOpenExternalLinks(False)
+        self.setOpenLinks(False)
+        self.setFrameShape(QFrame.Shape.NoFrame)
+        self.setVerticalScrollBarPolicy(self.verticalScrollBarPolicy().ScrollBarAlwaysOff)
+        self.setHorizontalScrollBarPolicy(self.horizontalScrollBarPolicy().ScrollBarAlwaysOff)
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+        self.document().setDocumentMargin(2)
+        self.document().documentLayout().documentSizeChanged.connect(self._fit_height)
+
+    def loadResource(self, kind: int, url: QUrl):  # noqa: N802 (Qt override)
+        return None  # nothing is ever fetched, local or remote
+
+    def resizeEvent(self, event) -> None:  # noqa: N802
+        super().resizeEvent(event)
+        self._fit_height()
+
+    def _fit_height(self, *_args) -> None:
+        margins = self.contentsMargins()
+        height = int(self.document().size().height() + 0.99) + margins.top() + margins.bottom()
+        if height != self.height():
+            self.setFixedHeight(max(height, 20))
+
+
+class MessageWidget(QFrame):
+    """A user or assistant message. The chat view decides which actions are offered."""
+
+    regenerate_clicked = Signal()
+    edit_submitted = Signal(str)
+
+    def __init__(self, role: str, text: str = "", parent: QWidget | None = None):
+        super().__init__(parent)
+        self.role = role
+        self._text = text
+        self.setObjectName("userBubble" if role == "user" else "assistantBubble")
+        self._render_timer = QTimer(self, singleShot=True, interval=RENDER_INTERVAL_MS)
+        self._render_timer.timeout.connect(self._render)
+        self._build()
+        self._render()
+
+    # --- public ---------------------------------------------------------------------------------------------
+    @property
+    def text(self) -> str:
+        return self._text
+
+    def set_text(self, text: str) -> None:
+        self._text = text
+        self._render_timer.stop()
+        self._render()
+
+    def append_text(self, piece: str) -> None:
+        """Streaming: the text grows now, the rendering follows within RENDER_INTERVAL_MS."""
+        self._text += piece
+        if not self._render_timer.isActive():
+            self._render_timer.start()
+
+    def flush(self) -> None:
+        if self._render_timer.isActive():
+            self._render_timer.stop()
+            self._render()
+
+    def set_footer(self, text: str) -> None:
+        self.footer.setText(text)
+        self.footer.setVisible(bool(text))
+
+    def set_actions(self, *, edit: bool, regenerate: bool) -> None:
+        self.edit_button.setVisible(edit and self.role == "user")
+        self.regenerate_button.setVisible(regenerate and self.role == "assistant")
+
+    def copy_to_clipboard(self) -> None:
+        QGuiApplication.clipboard().setText(self._text)
+
+    def start_editing(self) -> None:
+        self.editor.setPlainText(self._text)
+        self.browser.hide()
+        self.edit_box.show()
+        self.editor.setFocus()
+
+    def cancel_editing(self) -> None:
+        self.edit_box.hide()
+        self.browser.show()
+
+    # --- building ----------------------------------------------------------------------------------------------
+    def _build(self) -> None:
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(12, 8, 12, 8)
+        layout.setSpacing(4)
+        layout.addLayout(self._build_header())
+        self.browser = MessageBrowser(self)
+        layout.addWidget(self.browser)
+        self.edit_box = self._build_editor()
+        layout.addWidget(self.edit_box)
+        self.footer = QLabel(self, objectName="messageFooter")
+        self.footer.hide()
+        layout.addWidget(self.footer)
+
+    def _build_header(self) -> QHBoxLayout:
+        header = QHBoxLayout()
+        header.setSpacing(2)
+        name = "You" if self.role == "user" else "Assistant"
+        header.addWidget(QLabel(name, self, objectName="roleLabel"))
+        header.addStretch(1)
+        self.copy_button = self._tool_button("Copy", "Copy this message", self.copy_to_clipboard)
+        self.edit_button = self._tool_button("Edit", "Edit this message and send it again", self.start_editing)
+        self.regenerate_button = self._tool_button("Regenerate", "Generate this reply again",
+                                                   self.regenerate_clicked.emit)
+        for button in (self.copy_button, self.edit_button, self.regenerate_button):
+            header.addWidget(button)
+        self.set_actions(edit=False, regenerate=False)
+        return header
+
+    def _tool_button(self, text: str, tip: str, slot) -> QToolButton:
+        button = QToolButton(self, text=text, toolTip=tip, objectName="messageAction")
+        button.clicked.connect(slot)
+        return button
+
+    def _build_editor(self) -> QWidget:
+        box = QWidget(self)
+        layout = QVBoxLayout(box)
+        layout.setContentsMargins(0, 0, 0, 0)
+        self.editor = QPlainTextEdit(box, objectName="messageEditor")
+        self.editor.setMinimumHeight(80)
+        layout.addWidget(self.editor)
+        buttons = QHBoxLayout()
+        buttons.addStretch(1)
+        cancel = QPushButton("Cancel", box)
+        cancel.clicked.connect(self.cancel_editing)
+        self.resend_button = QPushButton("Save && send", box, objectName="primaryButton")
+        self.resend_button.clicked.connect(self._submit_edit)
+        buttons.addWidget(cancel)
+        buttons.addWidget(self.resend_button)
+        layout.addLayout(buttons)
+        box.hide()
+        return box
+
+    def _submit_edit(self) -> None:
+        text = self.editor.toPlainText().strip()
+        if text:
+            self.cancel_editing()
+            self.edit_submitted.emit(text)
+
+    def _render(self) -> None:
+        html = render_plain(self._text) if self.role == "user" else render_markdown(self._text)
+        self.browser.setHtml(html)

@@ -1,0 +1,180 @@
+"""Latency and KV-memory plots against context position, one colour per strategy, and the figures beside them.
+
+Steps are buffered in a StepLog and drawn by a timer a few times per second, so tens of thousands of points stay
+fluid: each curve downsamples automatically and clips to the view.
+"""
+
+from __future__ import annotations
+
+import pyqtgraph as pg
+from PySide6.QtCore import Qt, QTimer
+from PySide6.QtGui import QColor
+from PySide6.QtWidgets import QLabel, QScrollArea, QSplitter, QVBoxLayout, QWidget
+
+from app.figures import figure_rows, figures_html
+from app.model_info import ModelInfo
+from app.step_log import Run, StepLog
+from app.style import PLOT_BACKGROUND, PLOT_FOREGROUND, strategy_color
+
+REFRESH_MS = 250
+STYLE_GREY = "#8b93a1"
+
+
+def _pen(color: str, width: float = 1.5, style=Qt.PenStyle.SolidLine, alpha: int = 255):
+    qcolor = QColor(color)
+    qcolor.setAlpha(alpha)
+    return pg.mkPen(qcolor, width=width, style=style)
+
+
+def _make_plot(title: str, y_label: str) -> pg.PlotWidget:
+    plot = pg.PlotWidget(background=PLOT_BACKGROUND)
+    item = plot.getPlotItem()
+    item.setTitle(title, color=PLOT_FOREGROUND, size="10pt")
+    item.setLabel("bottom", "context position (tokens)", color=PLOT_FOREGROUND)
+    item.setLabel("left", y_label, color=PLOT_FOREGROUND)
+    item.showGrid(x=True, y=True, alpha=0.15)
+    for name in ("left", "bottom"):
+        item.getAxis(name).enableAutoSIPrefix(False)
+        item.getAxis(name).setTextPen(PLOT_FOREGROUND)
+    item.addLegend(offset=(-10, 10), labelTextColor=PLOT_FOREGROUND, brush=QColor(27, 29, 35, 200))
+    plot.setMinimumHeight(160)
+    return plot
+
+
+class MetricsPanel(QWidget):
+    """add_step() for every StepEvent; turn_finished() for every DoneEvent; set_model_info() on load."""
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("metricsPanel")
+        self.log = StepLog()
+        self.info: ModelInfo | None = None
+        self.kv = None
+        self.last_done = None
+        self._items: dict[int, dict[str, pg.PlotDataItem]] = {}
+        self._build()
+        self._timer = QTimer(self, interval=REFRESH_MS)
+        self._timer.timeout.connect(self.refresh)
+        self._timer.start()
+        self._update_figures()
+
+    # --- inputs -------------------------------------------------------------------------------------------------
+    def set_model_info(self, info: ModelInfo) -> None:
+        self.info = info
+        self._update_figures()
+
+    def add_step(self, event) -> None:
+        self.log.add(event)
+        self.kv = event.kv
+        self._figures_dirty = True
+
+    def set_stats(self, kv) -> None:
+        self.kv = kv
+        self._update_figures()
+
+    def turn_finished(self, done) -> None:
+        self.last_done = done
+        self.refresh()
+
+    def new_conversation(self) -> None:
+        self.log.break_runs()
+        self.last_done = None
+        self._update_figures()
+
+    def clear(self) -> None:
+        for items in self._items.values():
+            for name, item in items.items():
+                (self.latency_plot if name in ("decode", "prefill") else self.memory_plot).removeItem(item)
+        self._items.clear()
+        self.log.clear()
+        self._reset_legends()
+        self.refresh()
+
+    # --- output -------------------------------------------------------------------------------------------------
+    def refresh(self) -> None:
+        for run in self.log.dirty_runs():
+            self._draw(run)
+        if self._figures_dirty:
+            self._update_figures()
+
+    def export_png(self, path: str) -> bool:
+        self.refresh()
+        return self.plots.grab().save(path, "PNG")
+
+    def export_csv(self, path: str) -> None:
+        self.log.write_csv(path)
+
+    @property
+    def figures_text(self) -> str:
+        return "\n".join(" ".join(row) for row in figure_rows(self.info, self.kv, self.last_done))
+
+    # --- internals ------------------------------------------------------------------------------------------------
+    def _build(self) -> None:
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        self.splitter = QSplitter(Qt.Orientation.Vertical, self)
+        self.plots = QWidget(self.splitter)
+        plots_layout = QVBoxLayout(self.plots)
+        plots_layout.setContentsMargins(0, 0, 0, 0)
+        self.latency_plot = _make_plot("Per-token latency", "ms per token")
+        self.memory_plot = _make_plot("KV cache memory", "MiB")
+        plots_layout.addWidget(self.latency_plot)
+        plots_layout.addWidget(self.memory_plot)
+        self.figures = QLabel(objectName="figuresText", wordWrap=True, textFormat=Qt.TextFormat.RichText)
+        self.figures.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
+        scroll = QScrollArea(self.splitter, widgetResizable=True, objectName="figures")
+        scroll.setWidget(self.figures)
+        self.splitter.addWidget(self.plots)
+        self.splitter.addWidget(scroll)
+        self.splitter.setStretchFactor(0, 3)
+        self.splitter.setStretchFactor(1, 1)
+        layout.addWidget(self.splitter)
+        self._figures_dirty = False
+        self._reset_legends()
+
+    def _reset_legends(self) -> None:
+        latency_legend = self.latency_plot.getPlotItem().legend
+        memory_legend = self.memory_plot.getPlotItem().legend
+        latency_legend.clear()
+        memory_legend.clear()
+        latency_legend.addItem(pg.PlotDataItem(pen=_pen(STYLE_GREY)), "decode step (line)")
+        latency_legend.addItem(pg.PlotDataItem(pen=_pen(STYLE_GREY, 6, alpha=170)), "prefill (bar over its tokens)")
+        memory_legend.addItem(pg.PlotDataItem(pen=_pen(STYLE_GREY, 2)), "allocated")
+        memory_legend.addItem(pg.PlotDataItem(pen=_pen(STYLE_GREY, 1.5, Qt.PenStyle.DashLine)), "used")
+        memory_legend.addItem(pg.PlotDataItem(pen=_pen(STYLE_GREY, 1.5, Qt.PenStyle.DotLine)), "theoretical")
+
+    def _items_for(self, run: Run) -> dict[str, pg.PlotDataItem]:
+        key = id(run)
+        if key not in self._items:
+            self._items[key] = self._create_items(run)
+        return self._items[key]
+
+    def _create_items(self, run: Run) -> dict[str, pg.PlotDataItem]:
+        color = strategy_color(run.strategy)
+        name = run.strategy if run.index == 0 else None
+        items = {
+            "decode": pg.PlotDataItem(pen=_pen(color), name=name),
+            "prefill": pg.PlotDataItem(pen=_pen(color, 6, alpha=170), connect="pairs"),
+            "allocated": pg.PlotDataItem(pen=_pen(color, 2), name=name),
+            "used": pg.PlotDataItem(pen=_pen(color, 1.5, Qt.PenStyle.DashLine)),
+            "theoretical": pg.PlotDataItem(pen=_pen(color, 1.5, Qt.PenStyle.DotLine)),
+        }
+        for key, item in items.items():
+            if key != "prefill":
+                item.setDownsampling(auto=True, method="peak")
+                item.setClipToView(True)
+            (self.latency_plot if key in ("decode", "prefill") else self.memory_plot).addItem(item)
+        return items
+
+    def _draw(self, run: Run) -> None:
+        items = self._items_for(run)
+        items["decode"].setData(run.values("decode_x"), run.values("decode_ms"))
+        items["prefill"].setData(run.values("prefill_x"), run.values("prefill_ms"))
+        x = run.values("mem_x")
+        for name in ("allocated", "used", "theoretical"):
+            items[name].setData(x, run.values(name))
+        run.dirty = False
+
+    def _update_figures(self) -> None:
+        self.figures.setText(figures_html(figure_rows(self.info, self.kv, self.last_done)))
+        self._figures_dirty = False

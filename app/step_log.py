@@ -1,0 +1,110 @@
+"""Every step of the conversation as plot-ready columns, split into monotonic runs (no Qt here).
+
+A run is a stretch of steps of one strategy whose context positions only grow. A regeneration, an edit, a new
+chat or a re-prefill after switching strategy goes back in position and starts a new run, so each plotted curve
+keeps increasing x (which clip-to-view and downsampling rely on) while the old curve stays visible.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+CSV_COLUMNS = ("strategy", "phase", "pos", "n_tokens", "latency_ms", "per_token_ms", "kv_bytes_allocated",
+               "kv_bytes_used", "kv_bytes_theoretical", "prefix_hit_tokens")
+MIB = 1024 * 1024
+
+
+class Column:
+    """A float array that grows by doubling; `values` is a view of the filled part."""
+
+    def __init__(self, capacity: int = 256):
+        self._data = np.empty(capacity, dtype=np.float64)
+        self.size = 0
+
+    def append(self, value: float) -> None:
+        if self.size == len(self._data):
+            self._data = np.resize(self._data, 2 * len(self._data))
+        self._data[self.size] = value
+        self.size += 1
+
+    @property
+    def values(self) -> np.ndarray:
+        return self._data[:self.size]
+
+
+@dataclass
+class Run:
+    strategy: str
+    index: int  # 0 for the strategy's first run (the one named in the legend)
+    last_pos: int = -1
+    dirty: bool = True
+    columns: dict[str, Column] = field(default_factory=lambda: {name: Column() for name in (
+        "decode_x", "decode_ms", "prefill_x", "prefill_ms", "mem_x", "allocated", "used", "theoretical")})
+
+    def values(self, name: str) -> np.ndarray:
+        return self.columns[name].values
+
+    def add(self, event) -> None:
+        c = self.columns
+        if event.phase == "prefill":
+            for x in (event.pos - event.n_tokens + 0.5, event.pos + 0.5):  # one bar across the tokens it ran
+                c["prefill_x"].append(x)
+                c["prefill_ms"].append(event.per_token_ms)
+        else:
+            c["decode_x"].append(event.pos)
+            c["decode_ms"].append(event.latency_ms)
+        c["mem_x"].append(event.pos)
+        c["allocated"].append(event.kv.bytes_allocated / MIB)
+        c["used"].append(event.kv.bytes_used / MIB)
+        c["theoretical"].append(event.kv.bytes_theoretical / MIB)
+        self.last_pos = event.pos
+        self.dirty = True
+
+
+class StepLog:
+    """All steps (for CSV) and the runs built from them (for plotting)."""
+
+    def __init__(self):
+        self.rows: list[tuple] = []
+        self.runs: list[Run] = []
+        self._open: dict[str, Run] = {}
+
+    def add(self, event) -> Run:
+        kv = event.kv
+        self.rows.append((event.strategy, event.phase, event.pos, event.n_tokens, event.latency_ms,
+                          event.per_token_ms, kv.bytes_allocated, kv.bytes_used, kv.bytes_theoretical,
+                          event.prefix_hit_tokens))
+        run = self._open.get(event.strategy)
+        if run is None or event.pos <= run.last_pos:
+            run = self._new_run(event.strategy)
+        run.add(event)
+        return run
+
+    def break_runs(self) -> None:
+        """The next step of every strategy starts a new run (a new chat, say)."""
+        self._open.clear()
+
+    def clear(self) -> None:
+        self.rows.clear()
+        self.runs.clear()
+        self._open.clear()
+
+    def dirty_runs(self) -> list[Run]:
+        return [run for run in self.runs if run.dirty]
+
+    def write_csv(self, path: str | Path) -> None:
+        with open(path, "w", newline="", encoding="utf-8") as f:
+            writer = csv.writer(f)
+            writer.writerow(CSV_COLUMNS)
+            writer.writerows(self.rows)
+
+    def _new_run(self, strategy: str) -> Run:
+        index = sum(1 for run in self.runs if run.strategy == strategy)
+        run = Run(strategy, index)
+        self.runs.append(run)
+        self._open[strategy] = run
+        return run

@@ -1,0 +1,137 @@
+"""Configuration dataclasses: the model's shape, the engine's settings, the sampling parameters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+CACHE_STRATEGIES = ("none", "contiguous", "paged", "paged-int8")
+BLOCK_SIZES = (1, 8, 16, 32, 64)
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range or of the wrong kind."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    architecture: str = "LlamaForCausalLM"
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> ModelConfig:
+        """Build from a Hugging Face config.json dictionary (Llama family)."""
+        architectures = d.get("architectures") or [_architecture_from_model_type(d.get("model_type"))]
+        arch = architectures[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = d["num_attention_heads"]
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_layers=d["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=d.get("num_key_value_heads") or num_heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // num_heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-5),
+            rope_theta=rope.get("rope_theta", d.get("rope_theta", 10000.0)),
+            rope_scaling=dict(rope) if rope_type != "default" else None,
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            architecture=arch,
+        )
+
+    def kv_bytes_per_token(self, bytes_per_element: float) -> float:
+        """The article's formula: 2 (K and V) x bytes/element x layers x KV heads x head_dim."""
+        return 2 * bytes_per_element * self.num_layers * self.num_kv_heads * self.head_dim
+
+    @property
+    def num_params(self) -> int:
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        per_layer = attn + 3 * h * i + 2 * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.vocab_size * h + self.num_layers * per_layer + h + head
+
+
+def _architecture_from_model_type(model_type: str | None) -> str:
+    return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}.get(model_type or "", str(model_type))
+
+
+@dataclass
+class EngineConfig:
+    cache: str = "paged"
+    block_size: int = 16
+    pool_tokens: int | None = None  # paged pool capacity; default: twice the context limit
+    max_context: int | None = None  # default: the model's max_position_embeddings
+    device: str | None = None  # default: cuda, then mps, then cpu
+    dtype: str | None = None  # default: float16 on cuda/mps, float32 on cpu (measured fastest there)
+    num_threads: int | None = None
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        if self.cache not in CACHE_STRATEGIES:
+            raise ConfigError(f"unknown cache strategy {self.cache!r}; choose one of {', '.join(CACHE_STRATEGIES)}")
+        if self.block_size not in BLOCK_SIZES:
+            raise ConfigError(f"block size must be one of {BLOCK_SIZES}, got {self.block_size}")
+        for name in ("pool_tokens", "max_context"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be positive, got {value}")
+        if self.dtype not in (None, "float32", "float16", "bfloat16"):
+            raise ConfigError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.7
+    top_k: int = 40
+    top_p: float = 0.95
+    repetition_penalty: float = 1.1
+    max_new_tokens: int = 512
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = field(default=())
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.repetition_penalty <= 0:
+            raise ConfigError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

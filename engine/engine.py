@@ -1,0 +1,249 @@
+"""The Engine: a loaded model, one KV-cache strategy, conversations, and generation as a stream of events."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import torch
+
+from engine import loader
+from engine.chat import Conversation, fit_to_context
+from engine.config import EngineConfig, SamplingParams
+from engine.detokenizer import IncrementalDetokenizer
+from engine.events import DoneEvent, Event, StepEvent, TrimEvent
+from engine.kv.base import KVCache, KVStats
+from engine.kv.contiguous import ContiguousCache
+from engine.kv.paged import PagedCache
+from engine.kv.paged_int8 import PagedInt8Cache
+from engine.kv.recompute import RecomputeCache
+from engine.model import LlamaModel
+from engine.sampler import Sampler
+
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<|end|>")
+PREFILL_CHUNK = 1024
+
+
+def pick_device(requested: str | None) -> torch.device:
+    if requested:
+        return torch.device(requested)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def pick_dtype(requested: str | None, device: torch.device) -> torch.dtype:
+    if requested:
+        return getattr(torch, requested)
+    # measured on CPU: float32 matmuls beat bf16/fp16 for prefill by 4-10x and tie for decode
+    return torch.float32 if device.type == "cpu" else torch.float16
+
+
+def make_cache(strategy: str, engine: Engine, block_size: int, pool_tokens: int | None) -> KVCache:
+    args = (engine.model_config, engine.dtype, engine.device, engine.max_context)
+    if strategy == "none":
+        return RecomputeCache(*args)
+    if strategy == "contiguous":
+        return ContiguousCache(*args)
+    cls = PagedCache if strategy == "paged" else PagedInt8Cache
+    return cls(*args, block_size=block_size, pool_tokens=pool_tokens)
+
+
+class Engine:
+    def __init__(self, model: LlamaModel, tokenizer, config: EngineConfig | None = None, name: str = "model"):
+        self.config = config or EngineConfig()
+        self.device = pick_device(self.config.device)
+        self.dtype = pick_dtype(self.config.dtype, self.device)
+        if self.config.num_threads:
+            torch.set_num_threads(self.config.num_threads)
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.model.rotary.float()
+        self.tokenizer = tokenizer
+        self.model_config = model.config
+        self.model_name = name
+        self.max_context = min(self.config.max_context or self.model_config.max_position_embeddings,
+                               model.rotary.cos.shape[0])
+        self.stop_token_ids = self._stop_tokens()
+        self._cancel = threading.Event()
+        self.cache = make_cache(self.config.cache, self, self.config.block_size, self.config.pool_tokens)
+
+    @classmethod
+    def load(cls, model: str | None = None, config: EngineConfig | None = None,
+             progress: loader.Progress | None = None) -> Engine:
+        weights = loader.load_weights(model, progress)
+        config = config or EngineConfig()
+        max_positions = min(config.max_context or weights.config.max_position_embeddings,
+                            weights.config.max_position_embeddings)
+        net = LlamaModel.from_hf_state_dict(weights.config, weights.state_dict, max_positions)
+        return cls(net, weights.tokenizer, config, weights.name)
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def cache_strategy(self) -> str:
+        return self.cache.name
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def _stop_tokens(self) -> tuple[int, ...]:
+        ids = set(self.model_config.eos_token_ids)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        vocab = self.tokenizer.get_vocab()
+        ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
+        return tuple(sorted(ids))
+
+    # ---- settings between turns
+    def set_cache(self, strategy: str, block_size: int | None = None) -> None:
+        """Switch strategy; every conversation re-prefills its history into the new cache on its next turn."""
+        new_config = EngineConfig(**{**self.config.__dict__, "cache": strategy,
+                                     "block_size": block_size or self.config.block_size})
+        self.cache = make_cache(new_config.cache, self, new_config.block_size, new_config.pool_tokens)
+        self.config = new_config
+
+    def new_conversation(self, system_prompt: str | None = None) -> Conversation:
+        return Conversation(system_prompt=system_prompt)
+
+    def forget(self, conv: Conversation) -> None:
+        self.cache.release(conv.seq_id)
+
+    def kv_stats(self, conv: Conversation | None = None) -> KVStats:
+        return self.cache.stats(conv.seq_id if conv else None)
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+    # ---- generation
+    def generate(self, conv: Conversation, user_message: str | None,
+                 params: SamplingParams | None = None) -> Iterator[Event]:
+        """Add the user's message (None: regenerate the last reply) and stream the reply as events.
+
+        On any error the conversation is restored and the sequence's cache released; the engine stays usable.
+        """
+        params = params or SamplingParams()
+        self._cancel.clear()
+        snapshot = conv.snapshot()
+        try:
+            self._add_turn(conv, user_message)
+            yield from self._reply(conv, params)
+        except BaseException:
+            conv.restore(snapshot)
+            self.cache.release(conv.seq_id)
+            raise
+
+    def _add_turn(self, conv: Conversation, user_message: str | None) -> None:
+        if user_message is not None:
+            conv.add("user", user_message)
+            return
+        if conv.messages and conv.messages[-1].role == "assistant":
+            conv.messages.pop()
+        if not conv.messages or conv.messages[-1].role != "user":
+            raise ValueError("nothing to regenerate: the conversation has no user message to answer")
+
+    def _reply(self, conv: Conversation, params: SamplingParams) -> Iterator[Event]:
+        reserve = min(params.max_new_tokens, self.max_context // 4)
+        ids, dropped = fit_to_context(self.tokenizer, conv, self.max_context, reserve)
+        if dropped:
+            yield TrimEvent(dropped, 0, self.max_context)
+        run = _Run(self, conv.seq_id, ids, params)
+        yield from run.prefill()
+        yield from run.decode()
+        text = run.text()
+        conv.add("assistant", text)
+        yield DoneEvent(text, len(ids), len(run.generated), run.ttft_ms, run.decode_tok_s(),
+                        run.finish_reason, self.cache.name, run.prefix_hit)
+
+    # ---- one forward step, timed
+    def step(self, seq_ids: list[int], new_tokens: list[list[int]], all_logits: bool = False) -> torch.Tensor:
+        view = self.cache.begin_step(seq_ids, new_tokens)
+        width = max(len(t) for t in new_tokens)
+        ids = torch.tensor([t + [0] * (width - len(t)) for t in new_tokens], device=self.device)  # [B, T]
+        logits = self.model(ids, view, all_logits=all_logits)
+        self.cache.commit_step(view)
+        return logits
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+
+class _Run:
+    """The state of one reply being generated for one sequence: each forward yields one token."""
+
+    def __init__(self, engine: Engine, seq_id: int, prompt: list[int], params: SamplingParams):
+        self.engine, self.seq_id, self.prompt, self.params = engine, seq_id, prompt, params
+        self.sampler = Sampler(params, engine.device)
+        self.detok = IncrementalDetokenizer(engine.tokenizer)
+        self.generated: list[int] = []
+        self.stop_ids = set(params.stop_token_ids or engine.stop_token_ids)
+        self.prefix_hit = 0
+        self.ttft_ms = 0.0
+        self.decode_ms = 0.0
+        self.finish_reason: str | None = None
+
+    def _timed_step(self, tokens: list[int]) -> tuple[int, float]:
+        e = self.engine
+        start = time.perf_counter()
+        logits = e.step([self.seq_id], [tokens])[0]  # [V]
+        token = self.sampler(logits, self.prompt + self.generated)
+        e.synchronize()
+        return token, (time.perf_counter() - start) * 1000
+
+    def _accept(self, token: int) -> str:
+        if token in self.stop_ids:
+            self.finish_reason = "stop"
+            return self.detok.flush()
+        self.generated.append(token)
+        return self.detok.add(token)
+
+    def _event(self, phase, pos, n_tokens, ms, hit, token=None, text="") -> StepEvent:
+        e = self.engine
+        return StepEvent(phase, pos, n_tokens, ms, e.cache.stats(self.seq_id), hit, e.cache.name, token, text)
+
+    def prefill(self) -> Iterator[StepEvent]:
+        e, prompt = self.engine, self.prompt
+        held = self.prefix_hit = e.cache.prepare(self.seq_id, prompt)
+        chunk = PREFILL_CHUNK if e.cache.keeps_kv else len(prompt)
+        for start in range(held, len(prompt), chunk):
+            if e._cancel.is_set():
+                self.finish_reason = "cancelled"
+                return
+            end = min(start + chunk, len(prompt))
+            token, ms = self._timed_step(prompt[start:end])
+            self.ttft_ms += ms
+            last = end == len(prompt)
+            text = self._accept(token) if last else ""
+            yield self._event("prefill", end - 1, end - start, ms, held if start == held else 0,
+                              token if last else None, text)
+
+    def decode(self) -> Iterator[StepEvent]:
+        e = self.engine
+        while self.finish_reason is None:
+            context = len(self.prompt) + len(self.generated)
+            if len(self.generated) >= self.params.max_new_tokens or context >= e.max_context:
+                self.finish_reason = "length"
+            elif e._cancel.is_set():
+                self.finish_reason = "cancelled"
+            else:
+                feed = self.generated[-1:] if e.cache.keeps_kv else self.prompt + self.generated
+                token, ms = self._timed_step(feed)
+                self.decode_ms += ms
+                text = self._accept(token)
+                yield self._event("decode", context - 1, len(feed), ms, 0, token, text)
+
+    def text(self) -> str:
+        return self.detok.text + self.detok.flush()
+
+    def decode_tok_s(self) -> float:
+        steps = len(self.generated) - 1 + (self.finish_reason == "stop")
+        return steps / (self.decode_ms / 1000) if self.decode_ms else 0.0

@@ -1,0 +1,134 @@
+"""The KV-cache interface every strategy implements, and the figures it reports.
+
+A step of the model runs through a `StepView`: the strategy is told which sequences advance and by how many
+tokens, reserves room for them, and gives the model an `attend(layer, q, k, v)` that writes the new keys and
+values where the strategy keeps them and attends over everything the sequence holds.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import ModelConfig
+
+
+class KVCacheFull(RuntimeError):
+    """The cache has no room for the tokens asked for; nothing was changed."""
+
+
+@dataclass(frozen=True)
+class KVStats:
+    strategy: str
+    tokens: int  # tokens held for the sequence asked about
+    bytes_allocated: int  # storage the strategy holds (reserved), all sequences
+    bytes_used: int  # storage holding live tokens, all sequences (paged: whole blocks in use)
+    bytes_theoretical: int  # the formula for the tokens held, all sequences
+    bytes_per_element: float
+    block_size: int = 0
+    num_blocks: int = 0
+    num_blocks_used: int = 0
+    num_blocks_free: int = 0
+    num_blocks_cached: int = 0
+    block_states: bytes = b""  # one byte per physical block, see BLOCK_* below
+
+BLOCK_FREE, BLOCK_OWN, BLOCK_OTHER, BLOCK_CACHED = 0, 1, 2, 3
+
+
+def pad_to(tensors: list[torch.Tensor], length: int, dim: int) -> torch.Tensor:
+    """Stack tensors along a new batch dim, zero-padding `dim` to `length`."""
+    padded = []
+    for t in tensors:
+        missing = length - t.shape[dim]
+        if missing:
+            shape = list(t.shape)
+            shape[dim] = missing
+            t = torch.cat([t, t.new_zeros(shape)], dim=dim)
+        padded.append(t)
+    return torch.stack(padded)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+              kv_len: list[int]) -> torch.Tensor:
+    """Causal grouped-query attention.
+
+    q: [B, Hq, T, D]; k, v: [B, Hkv, S, D]; q_pos: [B, T] absolute positions of the queries;
+    kv_len: valid keys per sequence (keys past it are padding). Returns [B, Hq, T, D].
+    """
+    b, hq, t, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    group = hq // hkv
+    uniform = all(n == s for n in kv_len)
+    if t == 1 and uniform:
+        # decode: the G query heads of a group share keys, so fold them into the query length
+        out = torch.nn.functional.scaled_dot_product_attention(q.view(b, hkv, group, d), k, v)
+        return out.view(b, hq, 1, d)
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    if b == 1 and uniform and t == s:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    key_pos = torch.arange(s, device=q.device)
+    lengths = torch.tensor(kv_len, device=q.device)
+    mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < lengths[:, None, None])
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])  # mask: [B,1,T,S]
+
+
+class StepView(ABC):
+    """One forward step over a batch of sequences, each advancing by n_new[i] tokens (right-padded)."""
+
+    def __init__(self, seq_ids: list[int], past: list[int], n_new: list[int], device: torch.device):
+        self.seq_ids = seq_ids
+        self.past = past
+        self.n_new = n_new
+        t = max(n_new)
+        offsets = torch.arange(t, device=device)
+        self.positions = torch.tensor(past, device=device)[:, None] + offsets[None, :]  # [B, T]
+        self.kv_len = [p + n for p, n in zip(past, n_new)]
+
+    @abstractmethod
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [B, Hq, T, D]; k, v: [B, Hkv, T, D] for the new tokens -> [B, Hq, T, D]."""
+
+
+class KVCache(ABC):
+    """A KV-cache strategy. Sequences are identified by integer ids chosen by the caller."""
+
+    name: str
+    keeps_kv = True  # False for 'none': the caller must feed the whole sequence every step
+
+    def __init__(self, model_config: ModelConfig, dtype: torch.dtype, device: torch.device, max_context: int):
+        self.config = model_config
+        self.dtype = dtype
+        self.device = device
+        self.max_context = max_context
+        self.bytes_per_element = torch.tensor([], dtype=dtype).element_size()
+
+    @abstractmethod
+    def prepare(self, seq_id: int, token_ids: list[int]) -> int:
+        """Get ready to run `token_ids` for seq_id; returns how many leading tokens are already held."""
+
+    @abstractmethod
+    def begin_step(self, seq_ids: list[int], new_tokens: list[list[int]]) -> StepView:
+        """Reserve room for the new tokens of each sequence; raise KVCacheFull with nothing changed."""
+
+    @abstractmethod
+    def commit_step(self, view: StepView) -> None:
+        """The forward of `view` succeeded: the new tokens are now held."""
+
+    @abstractmethod
+    def release(self, seq_id: int) -> None:
+        """Forget the sequence; its memory is reusable at once."""
+
+    @abstractmethod
+    def tokens_held(self, seq_id: int) -> int:
+        """Tokens of the sequence whose keys and values are held."""
+
+    @abstractmethod
+    def stats(self, seq_id: int | None = None) -> KVStats:
+        """Memory figures; block states are seen from seq_id."""
+
+    def theoretical_bytes(self, tokens: int) -> int:
+        return int(self.config.kv_bytes_per_token(self.bytes_per_element) * tokens)

@@ -1,0 +1,92 @@
+"""'contiguous': per sequence, one K and one V buffer reserved up to the context limit when it starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv.base import KVCache, KVCacheFull, KVStats, StepView, attention, pad_to
+
+
+@dataclass
+class Reservation:
+    k: torch.Tensor  # [L, Hkv, capacity, D]
+    v: torch.Tensor  # [L, Hkv, capacity, D]
+    length: int = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+
+class ContiguousView(StepView):
+    def __init__(self, cache: ContiguousCache, seq_ids, past, n_new):
+        super().__init__(seq_ids, past, n_new, cache.device)
+        self.buffers = [cache.reservations[s] for s in seq_ids]
+
+    def attend(self, layer, q, k, v):
+        ks, vs = [], []
+        for i, buf in enumerate(self.buffers):
+            start, end = self.past[i], self.kv_len[i]
+            buf.k[layer, :, start:end] = k[i, :, : end - start]
+            buf.v[layer, :, start:end] = v[i, :, : end - start]
+            ks.append(buf.k[layer, :, :end])  # [Hkv, S_i, D]
+            vs.append(buf.v[layer, :, :end])
+        if len(ks) == 1:
+            return attention(q, ks[0][None], vs[0][None], self.positions, self.kv_len)
+        s = max(self.kv_len)
+        return attention(q, pad_to(ks, s, 1), pad_to(vs, s, 1), self.positions, self.kv_len)
+
+
+class ContiguousCache(KVCache):
+    """The article's naive KV cache: memory reserved up front, whatever the sequence ends up using.
+
+    A new turn starts a new reservation and prefills the whole history again (no prefix reuse).
+    """
+
+    name = "contiguous"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reservations: dict[int, Reservation] = {}
+
+    def prepare(self, seq_id, token_ids, reserve_tokens: int | None = None):
+        capacity = min(reserve_tokens or self.max_context, self.max_context)
+        if len(token_ids) > capacity:
+            raise KVCacheFull(f"{len(token_ids)} tokens do not fit a reservation of {capacity}")
+        self.release(seq_id)
+        c = self.config
+        shape = (c.num_layers, c.num_kv_heads, capacity, c.head_dim)
+        self.reservations[seq_id] = Reservation(
+            torch.empty(shape, dtype=self.dtype, device=self.device),
+            torch.empty(shape, dtype=self.dtype, device=self.device),
+        )
+        return 0
+
+    def begin_step(self, seq_ids, new_tokens):
+        past = [self.reservations[s].length for s in seq_ids]
+        n_new = [len(t) for t in new_tokens]
+        for s, p, n in zip(seq_ids, past, n_new):
+            if p + n > self.reservations[s].capacity:
+                raise KVCacheFull(f"sequence {s} reserved {self.reservations[s].capacity} tokens, needs {p + n}")
+        return ContiguousView(self, seq_ids, past, n_new)
+
+    def commit_step(self, view):
+        for buf, end in zip(view.buffers, view.kv_len):
+            buf.length = end
+
+    def release(self, seq_id):
+        self.reservations.pop(seq_id, None)
+
+    def tokens_held(self, seq_id):
+        buf = self.reservations.get(seq_id)
+        return buf.length if buf else 0
+
+    def stats(self, seq_id=None):
+        per_token = self.config.kv_bytes_per_token(self.bytes_per_element)
+        reserved = sum(r.k.nbytes + r.v.nbytes for r in self.reservations.values())
+        live = sum(r.length for r in self.reservations.values())
+        return KVStats(self.name, tokens=self.tokens_held(seq_id), bytes_allocated=reserved,
+                       bytes_used=int(per_token * live), bytes_theoretical=self.theoretical_bytes(live),
+                       bytes_per_element=self.bytes_per_element)
