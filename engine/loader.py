@@ -160,12 +160,17 @@ def load_gguf(path: Path, progress: Progress) -> LoadedWeights:
         raise ModelLoadError(
             f"{path.name}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
         )
-    target = cache_root() / "models" / f"{path.stem}-{_file_key(path)}"
+    target = gguf_cache_folder(path)
     if not (target / "model.safetensors").is_file():
         convert_gguf(path, target, progress)
     weights = load_hf_folder(target, progress)
     weights.name, weights.source = path.stem, str(path)
     return weights
+
+
+def gguf_cache_folder(path: Path) -> Path:
+    """Where the safetensors conversion of this GGUF file lives (a Hugging Face model folder once converted)."""
+    return cache_root() / "models" / f"{path.stem}-{_file_key(path)}"
 
 
 def gguf_architecture(path: Path) -> str:

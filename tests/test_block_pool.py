@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -377,7 +377,8 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.seqs: dict[int, Seq] = {}
         self.next_seq_id = 0
         self.registered: dict[int, tuple[int, tuple[int, ...]]] = {}  # hash -> (block, tokens), as the pool
-        self.lru: OrderedDict[int, None] = OrderedDict()  # cached blocks, least recently used first
+        self.free_list = deque(range(num_blocks))  # idle unhashed blocks, next to hand out first
+        self.lru: OrderedDict[int, None] = OrderedDict()  # idle hashed blocks, least recently used first
         self.prompts: list[list[tuple[int, tuple[int, ...]]]] = []  # chains ever written, for prefix hits
 
     # -- model helpers
@@ -401,7 +402,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         return self.seqs[data.draw(st.sampled_from(ids))]
 
     def allocate_expecting_model(self, n: int) -> list[int] | None:
-        """Allocate n blocks and check the pool took free blocks, then evicted exactly the LRU ones."""
+        """Allocate n blocks and check the pool took the free list in order, then the LRU cached blocks."""
         num_free, num_cached = self.pool.num_free, self.pool.num_cached
         if n > num_free + num_cached:
             self.expect_exhaustion(n)
@@ -409,9 +410,9 @@ class BlockPoolMachine(RuleBasedStateMachine):
         blocks = self.pool.allocate(n)
         num_evicted = max(0, n - num_free)
         expected_evicted = list(self.lru)[:num_evicted]
+        expected_free = [self.free_list.popleft() for _ in range(n - num_evicted)]
+        assert blocks == expected_free + expected_evicted
         hashed = self.hashed_blocks()
-        assert blocks[n - num_evicted:] == expected_evicted
-        assert not any(block in hashed for block in blocks[: n - num_evicted]), "took a cached block early"
         for block in expected_evicted:
             del self.lru[block]
             del self.registered[hashed[block]]
@@ -435,6 +436,8 @@ class BlockPoolMachine(RuleBasedStateMachine):
             remaining[block] -= 1
             if remaining[block] == 0 and block in hashed:
                 self.lru[block] = None
+            elif remaining[block] == 0:
+                self.free_list.append(block)
 
     # -- rules
 
@@ -528,19 +531,20 @@ class BlockPoolMachine(RuleBasedStateMachine):
         if blocks:
             self.add_seq(Seq(blocks))
 
-    @precondition(lambda self: self.pool.num_used < self.pool.num_blocks and self.seqs)
+    @precondition(lambda self: self.seqs)
     @rule(data=st.data())
-    def freeing_an_idle_block_raises_and_changes_nothing(self, data):
-        idle = [b for b, refs in enumerate(self.expected_refcounts()) if refs == 0]
-        block = data.draw(st.sampled_from(idle))
-        used = self.pick_seq(data).blocks[0]
+    def freeing_a_block_more_times_than_it_is_held_raises_and_changes_nothing(self, data):
+        """A valid free of a held block, then one block freed once more than its reference count."""
+        held = self.pick_seq(data).blocks[0]
+        block = data.draw(st.integers(0, self.pool.num_blocks - 1))
+        too_many = self.expected_refcounts()[block] + 1 - (block == held)
         before = snapshot(self.pool)
         try:
-            self.pool.free([used, block])
+            self.pool.free([held] + [block] * too_many)
         except ValueError:
             pass
         else:
-            raise AssertionError("freeing a block with no references should raise")
+            raise AssertionError(f"freeing block {block} {too_many} time(s) should raise")
         assert snapshot(self.pool) == before
 
     # -- checked after every step
@@ -554,6 +558,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         assert pool.num_free + pool.num_cached + pool.num_used == pool.num_blocks
         assert pool.num_used == sum(1 for refs in refcounts if refs)
         assert [b for b in range(pool.num_blocks) if pool.is_cached(b)] == sorted(self.lru)
+        assert pool.num_free == len(self.free_list)
         for h, (block, toks) in self.registered.items():
             assert pool.lookup(h, toks) == block
             assert pool.block_hash_of(block) == h

@@ -131,7 +131,7 @@ class BlockPool:
         self._check_used(block)
         if len(token_ids) != self.block_size:
             raise ValueError(f"a full block holds {self.block_size} token ids, got {len(token_ids)}")
-        if self._hash_of[block] is not None:
+        if self._hash_of[block] is not None or block_hash in self._block_of_hash:
             return False
         self._hash_of[block] = block_hash
         self._token_ids_of[block] = tuple(token_ids)

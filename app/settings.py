@@ -1,0 +1,100 @@
+"""Preferences kept with QSettings. Tests pass their own QSettings (an ini file in a temporary folder)."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QByteArray, QSettings
+
+from app.style import default_system_prompt
+from engine.config import BLOCK_SIZES, CACHE_STRATEGIES, SamplingParams
+
+ORGANIZATION = "kvscope"
+APPLICATION = "kvscope"
+MENU_BLOCK_SIZES = tuple(b for b in BLOCK_SIZES if b >= 8)
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "repetition_penalty", "max_new_tokens", "seed")
+
+
+class AppSettings:
+    def __init__(self, qsettings: QSettings | None = None):
+        self.q = qsettings if qsettings is not None else QSettings(ORGANIZATION, APPLICATION)
+
+    # --- typed access -----------------------------------------------------------------------------------------------
+    def _get(self, key: str, default, kind):
+        value = self.q.value(key, default)
+        try:
+            if kind is bool and isinstance(value, str):
+                return value.lower() in ("true", "1", "yes")
+            return kind(value)
+        except (TypeError, ValueError):
+            return default
+
+    @property
+    def cache_strategy(self) -> str:
+        value = self._get("engine/cache", "paged", str)
+        return value if value in CACHE_STRATEGIES else "paged"
+
+    @cache_strategy.setter
+    def cache_strategy(self, value: str) -> None:
+        self.q.setValue("engine/cache", value)
+
+    @property
+    def block_size(self) -> int:
+        value = self._get("engine/block_size", 16, int)
+        return value if value in MENU_BLOCK_SIZES else 16
+
+    @block_size.setter
+    def block_size(self, value: int) -> None:
+        self.q.setValue("engine/block_size", int(value))
+
+    @property
+    def model_path(self) -> str | None:
+        return self._get("engine/model", "", str) or None
+
+    @model_path.setter
+    def model_path(self, value: str | None) -> None:
+        self.q.setValue("engine/model", value or "")
+
+    @property
+    def system_prompt(self) -> str:
+        return self._get("chat/system_prompt", default_system_prompt(), str)
+
+    @system_prompt.setter
+    def system_prompt(self, value: str) -> None:
+        self.q.setValue("chat/system_prompt", value)
+
+    @property
+    def show_side_panel(self) -> bool:
+        return self._get("view/side_panel", True, bool)
+
+    @show_side_panel.setter
+    def show_side_panel(self, value: bool) -> None:
+        self.q.setValue("view/side_panel", bool(value))
+
+    @property
+    def sampling(self) -> SamplingParams:
+        defaults = SamplingParams()
+        values = {}
+        for name in SAMPLING_FIELDS:
+            default = getattr(defaults, name)
+            kind = int if name in ("top_k", "max_new_tokens", "seed") else float
+            raw = self.q.value(f"sampling/{name}", default)
+            values[name] = None if raw in (None, "", "none") else self._get(f"sampling/{name}", default, kind)
+        try:
+            return SamplingParams(**values)
+        except ValueError:
+            return defaults
+
+    @sampling.setter
+    def sampling(self, params: SamplingParams) -> None:
+        for name in SAMPLING_FIELDS:
+            value = getattr(params, name)
+            self.q.setValue(f"sampling/{name}", "" if value is None else value)
+
+    def window_state(self) -> tuple[QByteArray | None, QByteArray | None]:
+        return self.q.value("window/geometry"), self.q.value("window/splitter")
+
+    def save_window_state(self, geometry: QByteArray, splitter: QByteArray) -> None:
+        self.q.setValue("window/geometry", geometry)
+        self.q.setValue("window/splitter", splitter)
+
+    def sync(self) -> None:
+        self.q.sync()

@@ -1,0 +1,161 @@
+"""EngineWorker: the Engine on its own QThread, driven by queued requests and reporting through signals.
+
+Superqt-style: the signals live in a composed WorkerSignals object, every exception becomes an `error` signal
+(a worker never takes the app down, and the conversation is kept as it was), and a stop flag is checked
+between steps. Requests carry an increasing id so that Stop cancels exactly the generations asked so far.
+The Conversation belongs to this thread; the GUI only ever sees copies (`conversation` emits to_dict()).
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QObject, Signal, Slot
+
+from app.model_info import ModelInfo
+from engine.chat import Conversation
+from engine.config import EngineConfig
+from engine.events import DoneEvent, StepEvent, TrimEvent
+
+
+class WorkerSignals(QObject):
+    loaded = Signal(object)  # ModelInfo, after a load or a change of cache strategy
+    progress = Signal(str, float)  # message, fraction in [0, 1] or -1 when unknown
+    step = Signal(object)  # StepEvent
+    token = Signal(str)  # text a step added to the reply
+    trim = Signal(object)  # TrimEvent
+    finished = Signal(object)  # DoneEvent: the turn is over (also when cancelled)
+    error = Signal(str)  # something failed; the engine and the conversation are as before
+    stats = Signal(object)  # KVStats after a change made without generating
+    conversation = Signal(dict)  # Conversation.to_dict() after every change
+
+
+class EngineWorker(QObject):
+    def __init__(self, engine=None, cache: str = "paged", block_size: int = 16, system_prompt: str | None = None):
+        super().__init__()
+        self.signals = WorkerSignals()
+        self.engine = engine
+        self.conv = Conversation(system_prompt=system_prompt)
+        self._cache, self._block_size = cache, block_size
+        self._cancel_upto = 0  # generation requests with an id <= this are cancelled
+        self._closing = False
+
+    # --- called directly from the GUI thread (thread-safe) -----------------------------------------------------
+    def stop(self, upto: int) -> None:
+        self._cancel_upto = max(self._cancel_upto, upto)
+        if self.engine is not None:
+            self.engine.cancel()
+
+    def close(self, upto: int) -> None:
+        self._closing = True
+        self.stop(upto)
+
+    # --- slots, run on the worker thread ---------------------------------------------------------------------------
+    @Slot(object)
+    def load(self, model: str | None) -> None:
+        if self._closing:
+            return
+        from engine.engine import Engine  # imported here: loading torch happens off the GUI thread
+
+        try:
+            config = EngineConfig(cache=self._cache, block_size=self._block_size)
+            engine = Engine.load(model, config, progress=self._progress)
+        except Exception as e:  # noqa: BLE001 - every failure is reported; the old model stays loaded
+            self.signals.error.emit(f"Could not load the model {model or '(default)'}: {e}")
+            return
+        self.use_engine(engine)
+
+    @Slot(object)
+    def use_engine(self, engine) -> None:
+        if self.engine is not None and self.engine is not engine:
+            self.engine.forget(self.conv)
+        self.engine = engine
+        self._cache, self._block_size = engine.cache_strategy, engine.block_size
+        self.signals.loaded.emit(ModelInfo.from_engine(engine))
+        self._emit_state()
+
+    @Slot(int, str, object)
+    def generate(self, request: int, text: str, params) -> None:
+        self._run(request, lambda: self.engine.generate(self.conv, text, params))
+
+    @Slot(int, object)
+    def regenerate(self, request: int, params) -> None:
+        self._run(request, lambda: self.engine.generate(self.conv, None, params))
+
+    @Slot(int, str, object)
+    def edit_and_resend(self, request: int, text: str, params) -> None:
+        """Replace the last user message (and the reply after it) with `text`, then answer it."""
+        snapshot = self.conv.snapshot()
+        messages = self.conv.messages
+        if messages and messages[-1].role == "assistant":
+            messages.pop()
+        if messages and messages[-1].role == "user":
+            messages.pop()
+        self._run(request, lambda: self.engine.generate(self.conv, text, params), snapshot)
+
+    @Slot(str, int)
+    def set_cache(self, strategy: str, block_size: int) -> None:
+        self._cache, self._block_size = strategy, block_size
+        if self.engine is None or self._closing:
+            return
+        try:
+            self.engine.set_cache(strategy, block_size)
+        except Exception as e:  # noqa: BLE001
+            self.signals.error.emit(f"Could not switch the cache to {strategy} (block size {block_size}): {e}")
+            return
+        self.signals.loaded.emit(ModelInfo.from_engine(self.engine))
+        self._emit_state()
+
+    @Slot(object)
+    def new_conversation(self, system_prompt: str | None) -> None:
+        self._replace_conversation(Conversation(system_prompt=system_prompt))
+
+    @Slot(object)
+    def open_conversation(self, conv: Conversation) -> None:
+        self._replace_conversation(conv)
+
+    @Slot(object)
+    def set_system_prompt(self, system_prompt: str | None) -> None:
+        self.conv.system_prompt = system_prompt
+        self.signals.conversation.emit(self.conv.to_dict())
+
+    # --- internals --------------------------------------------------------------------------------------------------
+    def _progress(self, message: str, fraction: float | None) -> None:
+        self.signals.progress.emit(message, -1.0 if fraction is None else float(fraction))
+
+    def _replace_conversation(self, conv: Conversation) -> None:
+        if self.engine is not None:
+            self.engine.forget(self.conv)
+        self.conv = conv
+        self._emit_state()
+
+    def _emit_state(self) -> None:
+        if self.engine is not None:
+            self.signals.stats.emit(self.engine.kv_stats(self.conv))
+        self.signals.conversation.emit(self.conv.to_dict())
+
+    def _run(self, request: int, events, snapshot: tuple | None = None) -> None:
+        if self._closing:
+            return
+        if self.engine is None:
+            self.signals.error.emit("No model is loaded yet: wait for loading to finish, or choose a model.")
+            self.signals.conversation.emit(self.conv.to_dict())
+            return
+        try:
+            for event in events():
+                if request <= self._cancel_upto:
+                    self.engine.cancel()
+                self._emit(event)
+        except Exception as e:  # noqa: BLE001 - reported; the engine restored the conversation
+            if snapshot is not None:
+                self.conv.restore(snapshot)
+            self.signals.error.emit(f"Generation failed: {e}")
+        self.signals.conversation.emit(self.conv.to_dict())
+
+    def _emit(self, event) -> None:
+        if isinstance(event, StepEvent):
+            if event.text:
+                self.signals.token.emit(event.text)
+            self.signals.step.emit(event)
+        elif isinstance(event, TrimEvent):
+            self.signals.trim.emit(event)
+        elif isinstance(event, DoneEvent):
+            self.signals.finished.emit(event)

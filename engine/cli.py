@@ -1,0 +1,89 @@
+"""`main.py chat`: the engine in a terminal, as text or as one JSON object per step."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from engine.chat import PromptTooLong
+from engine.config import ConfigError, EngineConfig, SamplingParams
+from engine.events import DoneEvent, StepEvent, TrimEvent
+from engine.kv.base import KVCacheFull
+from engine.loader import ModelLoadError
+
+
+def step_record(ev: StepEvent) -> dict:
+    record = {
+        "phase": ev.phase, "pos": ev.pos, "n_tokens": ev.n_tokens, "latency_ms": round(ev.latency_ms, 3),
+        "kv_bytes_allocated": ev.kv.bytes_allocated, "kv_bytes_used": ev.kv.bytes_used,
+        "kv_bytes_theoretical": ev.kv.bytes_theoretical, "prefix_hit_tokens": ev.prefix_hit_tokens,
+        "token_id": ev.token_id, "text": ev.text, "strategy": ev.strategy,
+    }
+    if ev.kv.num_blocks:
+        record.update(blocks_used=ev.kv.num_blocks_used, blocks_free=ev.kv.num_blocks_free,
+                      blocks_cached=ev.kv.num_blocks_cached)
+    return record
+
+
+def done_record(ev: DoneEvent) -> dict:
+    return {
+        "event": "done", "text": ev.text, "n_prompt_tokens": ev.n_prompt_tokens,
+        "n_generated_tokens": ev.n_generated_tokens, "ttft_ms": round(ev.ttft_ms, 3),
+        "decode_tok_s": round(ev.decode_tok_s, 3), "finish_reason": ev.finish_reason,
+        "prefix_hit_tokens": ev.prefix_hit_tokens,
+    }
+
+
+def _print_event(ev, as_json: bool) -> None:
+    if as_json:
+        if isinstance(ev, StepEvent):
+            print(json.dumps(step_record(ev)), flush=True)
+        elif isinstance(ev, DoneEvent):
+            print(json.dumps(done_record(ev)), flush=True)
+        else:
+            print(json.dumps({"event": "trim", "dropped_messages": ev.dropped_messages}), flush=True)
+        return
+    if isinstance(ev, StepEvent):
+        print(ev.text, end="", flush=True)
+    elif isinstance(ev, TrimEvent):
+        print(f"[context full: dropped the {ev.dropped_messages} oldest messages]", file=sys.stderr)
+    else:
+        print(flush=True)
+        print(f"[{ev.n_generated_tokens} tokens, first after {ev.ttft_ms:.0f} ms, "
+              f"{ev.decode_tok_s:.1f} tok/s, {ev.finish_reason}]", file=sys.stderr)
+
+
+def _messages(args):
+    if args.prompt is not None:
+        yield args.prompt
+        return
+    for line in sys.stdin:
+        line = line.rstrip("\n")
+        if line.strip():
+            yield line
+
+
+def run_chat(args) -> int:
+    from engine.engine import Engine
+
+    try:
+        config = EngineConfig(cache=args.cache, block_size=args.block_size or 16)
+        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                repetition_penalty=args.repetition_penalty,
+                                max_new_tokens=args.max_new_tokens, seed=args.seed)
+        progress = None if args.json else (lambda msg, frac: print(f"[{msg}]", file=sys.stderr))
+        engine = Engine.load(args.model, config, progress)
+    except (ConfigError, ModelLoadError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    conv = engine.new_conversation(args.system)
+    try:
+        for message in _messages(args):
+            for ev in engine.generate(conv, message, params):
+                _print_event(ev, args.json)
+    except (PromptTooLong, KVCacheFull, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0

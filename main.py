@@ -1,0 +1,65 @@
+"""kvscope: chat with a local LLM and watch its KV cache. Sub-commands: gui (default), chat, bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from engine.config import BLOCK_SIZES, CACHE_STRATEGIES
+
+
+def add_model_options(p: argparse.ArgumentParser, default_cache: str | None = "paged") -> None:
+    p.add_argument("--model", help="a .gguf file or a Hugging Face model folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--cache", choices=CACHE_STRATEGIES, default=default_cache, help="KV-cache strategy")
+    p.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=None, help="paged block size (tokens)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvscope", description=__doc__)
+    sub = parser.add_subparsers(dest="command", metavar="{gui,chat,bench}")
+
+    gui = sub.add_parser("gui", help="the desktop chat app (default)")
+    add_model_options(gui, default_cache=None)
+    gui.add_argument("--demo", nargs="+", metavar="PROMPT", help="send these prompts, one turn each, then exit")
+    gui.add_argument("--screenshot", metavar="FILE.png", help="with --demo: save a screenshot of the window")
+
+    chat = sub.add_parser("chat", help="chat in the terminal with the same engine")
+    add_model_options(chat)
+    chat.add_argument("--system", help="system prompt")
+    chat.add_argument("--max-new-tokens", type=int, default=512)
+    chat.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (deterministic)")
+    chat.add_argument("--top-k", type=int, default=40)
+    chat.add_argument("--top-p", type=float, default=0.95)
+    chat.add_argument("--repetition-penalty", type=float, default=1.1)
+    chat.add_argument("--seed", type=int)
+    chat.add_argument("--prompt", help="one turn, then exit (default: one message per line of standard input)")
+    chat.add_argument("--json", action="store_true", help="one JSON object per step, and one per reply")
+
+    bench = sub.add_parser("bench", help="the benchmark suite")
+    bench.add_argument("names", nargs="*", metavar="NAME", help="benchmarks to run (default: all)")
+    bench.add_argument("--out", default="bench-out", help="output folder")
+    bench.add_argument("--quick", action="store_true", help="a reduced run that finishes in a few minutes")
+    bench.add_argument("--model", help="a .gguf file or a Hugging Face model folder")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    command = args.command or "gui"
+    if command == "chat":
+        from engine.cli import run_chat
+
+        return run_chat(args)
+    if command == "bench":
+        from engine.bench.suite import run_bench
+
+        return run_bench(args)
+    if args.command is None:
+        args = build_parser().parse_args(["gui", *(argv if argv is not None else sys.argv[1:])])
+    from app.main_window import run_gui
+
+    return run_gui(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

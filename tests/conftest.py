@@ -1,0 +1,56 @@
+"""Shared fixtures: a tiny random Llama with the real tokenizer (fast), and the real default model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+from engine import loader  # noqa: E402
+from engine.config import EngineConfig, ModelConfig  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from engine.model import LlamaModel  # noqa: E402
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+            rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def default_weights():
+    """The default model's converted weights and tokenizer (converted once into the user cache)."""
+    return loader.load_weights(None)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_weights):
+    return default_weights.tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_config(tokenizer) -> ModelConfig:
+    return ModelConfig(vocab_size=len(tokenizer), eos_token_ids=(2,), **TINY)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_config) -> LlamaModel:
+    return LlamaModel.random(tiny_config, seed=0, std=0.1)
+
+
+@pytest.fixture
+def tiny_engine_factory(tiny_config, tokenizer):
+    """tiny_engine_factory(cache="paged", block_size=16, **EngineConfig fields) -> a real Engine on a tiny model."""
+
+    def make(cache: str = "paged", block_size: int = 16, **kwargs) -> Engine:
+        model = LlamaModel.random(tiny_config, seed=0, std=0.1)
+        return Engine(model, tokenizer, EngineConfig(cache=cache, block_size=block_size, **kwargs), "tiny-random")
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def default_engine(default_weights) -> Engine:
+    """The real SmolLM2-135M-Instruct (paged cache); tests switch strategy with set_cache."""
+    model = LlamaModel.from_hf_state_dict(default_weights.config, default_weights.state_dict)
+    return Engine(model, default_weights.tokenizer, EngineConfig(cache="paged"), default_weights.name)
