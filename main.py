@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--repetition-penalty", type=float, default=1.1)
     chat.add_argument("--seed", type=int)
     chat.add_argument("--prompt", help="one turn, then exit (default: one message per line of standard input)")
+    chat.add_argument("--decode-weights", choices=("bfloat16", "float16"),
+                      help="keep a half-precision weight copy for single-token steps (faster decode on CPU)")
     chat.add_argument("--json", action="store_true", help="one JSON object per step, and one per reply")
 
     bench = sub.add_parser("bench", help="the benchmark suite")

@@ -93,6 +93,7 @@ class EngineConfig:
     device: str | None = None  # default: cuda, then mps, then cpu
     dtype: str | None = None  # default: float16 on cuda/mps, float32 on cpu (measured fastest there)
     num_threads: int | None = None
+    decode_dtype: str | None = None  # e.g. "bfloat16": a half-precision weight copy for single-token steps
 
     def __post_init__(self):
         self.validate()
@@ -106,8 +107,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be positive, got {value}")
-        if self.dtype not in (None, "float32", "float16", "bfloat16"):
-            raise ConfigError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        for name in ("dtype", "decode_dtype"):
+            if getattr(self, name) not in (None, "float32", "float16", "bfloat16"):
+                raise ConfigError(f"{name} must be float32, float16 or bfloat16, got {getattr(self, name)!r}")
 
 
 @dataclass

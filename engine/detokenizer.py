@@ -32,7 +32,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Whatever text is still held back (an incomplete character at the end of the reply)."""
-        rest = self._decode(self.ids[self.prefix_offset:])[len(self._decode(self.ids[self.prefix_offset:self.read_offset])):]
+        held = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        rest = self._decode(self.ids[self.prefix_offset:])[len(held):]
         self.prefix_offset = self.read_offset = len(self.ids)
         self.text += rest
         return rest

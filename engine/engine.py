@@ -61,6 +61,8 @@ class Engine:
             torch.set_num_threads(self.config.num_threads)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.rotary.float()
+        if self.config.decode_dtype:
+            self.model.set_decode_weights(getattr(torch, self.config.decode_dtype))
         self.tokenizer = tokenizer
         self.model_config = model.config
         self.model_name = name

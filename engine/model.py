@@ -58,6 +58,22 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+class Linear(nn.Linear):
+    """nn.Linear that can keep a half-precision copy of its weight for single-row (decode) inputs.
+
+    On CPU a half-precision matrix-vector product reads half the bytes and runs ~1.5x faster, while
+    float32 stays much faster for the many-row matmuls of prefill, so both copies are kept.
+    """
+
+    decode_weight: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.decode_weight
+        if w is None or x.numel() != x.shape[-1]:
+            return F.linear(x, self.weight)
+        return torch.mv(w, x.reshape(-1).to(w.dtype)).to(x.dtype).view(*x.shape[:-1], -1)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -75,8 +91,8 @@ class Attention(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.qkv_proj = nn.Linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.qkv_proj = Linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, bias=False)
+        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, view: StepView, layer: int) -> torch.Tensor:
         b, t, _ = x.shape
@@ -92,8 +108,8 @@ class MLP(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.intermediate = c.intermediate_size
-        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -120,10 +136,17 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(config, max_positions or config.max_position_embeddings)
+
+    def set_decode_weights(self, dtype: torch.dtype | None) -> None:
+        """Keep a copy of every projection in `dtype` for single-token steps (None: use the weights as they are)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                same = dtype is None or dtype == module.weight.dtype
+                module.decode_weight = None if same else module.weight.detach().to(dtype)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, view: StepView, all_logits: bool = False) -> torch.Tensor:

@@ -1,0 +1,94 @@
+"""Small dialogs: sampling parameters, system prompt, and the About text."""
+
+from __future__ import annotations
+
+from html import escape
+
+from PySide6.QtWidgets import (
+    QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout, QLabel, QPlainTextEdit, QPushButton, QSpinBox,
+    QVBoxLayout, QWidget,
+)
+
+from app.model_info import ModelInfo
+from app.style import default_system_prompt, human_bytes
+from engine.config import SamplingParams
+
+
+def _double(minimum: float, maximum: float, step: float, value: float, decimals: int = 2) -> QDoubleSpinBox:
+    box = QDoubleSpinBox(minimum=minimum, maximum=maximum, singleStep=step, decimals=decimals)
+    box.setValue(value)
+    return box
+
+
+def _int(minimum: int, maximum: int, value: int) -> QSpinBox:
+    box = QSpinBox(minimum=minimum, maximum=maximum)
+    box.setValue(value)
+    return box
+
+
+class SamplingDialog(QDialog):
+    def __init__(self, params: SamplingParams, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setWindowTitle("Sampling")
+        form = QFormLayout(self)
+        self.temperature = _double(0.0, 2.0, 0.05, params.temperature)
+        self.top_k = _int(0, 1000, params.top_k)
+        self.top_p = _double(0.01, 1.0, 0.01, params.top_p)
+        self.repetition_penalty = _double(0.5, 2.0, 0.01, params.repetition_penalty)
+        self.max_new_tokens = _int(1, 32768, params.max_new_tokens)
+        self.seed = _int(-1, 2**31 - 1, -1 if params.seed is None else params.seed)
+        self.seed.setSpecialValueText("random")
+        form.addRow("Temperature (0 = greedy)", self.temperature)
+        form.addRow("Top-k (0 = off)", self.top_k)
+        form.addRow("Top-p", self.top_p)
+        form.addRow("Repetition penalty", self.repetition_penalty)
+        form.addRow("Max new tokens", self.max_new_tokens)
+        form.addRow("Seed", self.seed)
+        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel)
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        form.addRow(buttons)
+
+    def params(self) -> SamplingParams:
+        seed = self.seed.value()
+        return SamplingParams(
+            temperature=self.temperature.value(), top_k=self.top_k.value(), top_p=self.top_p.value(),
+            repetition_penalty=self.repetition_penalty.value(), max_new_tokens=self.max_new_tokens.value(),
+            seed=None if seed < 0 else seed,
+        )
+
+
+class SystemPromptDialog(QDialog):
+    def __init__(self, prompt: str, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setWindowTitle("System prompt")
+        self.resize(560, 320)
+        layout = QVBoxLayout(self)
+        layout.addWidget(QLabel("Applies to the current chat from its next turn, and to new chats.", self))
+        self.editor = QPlainTextEdit(prompt, self, objectName="messageEditor")
+        layout.addWidget(self.editor)
+        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel)
+        reset = QPushButton("Reset to default", self)
+        reset.clicked.connect(lambda: self.editor.setPlainText(default_system_prompt()))
+        buttons.addButton(reset, QDialogButtonBox.ButtonRole.ResetRole)
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        layout.addWidget(buttons)
+
+    def prompt(self) -> str:
+        return self.editor.toPlainText().strip()
+
+
+def about_html(info: ModelInfo | None) -> str:
+    head = ("<h3>kvscope</h3><p>A local LLM chat that shows, live, what the KV cache is doing.</p>")
+    if info is None:
+        return head + "<p>No model is loaded yet.</p>"
+    per_token = info.bytes_per_token()
+    return head + (
+        f"<p><b>Model:</b> {escape(info.model_name)}<br><b>Device:</b> {escape(info.device)} "
+        f"({escape(info.dtype_name)})<br><b>Context:</b> {info.max_context:,} tokens<br>"
+        f"<b>Cache:</b> {escape(info.cache_strategy)}, block size {info.block_size}</p>"
+        f"<p><b>KV bytes per token</b> = 2 × bytes/element × layers × KV heads × head_dim<br>"
+        f"= {escape(info.formula())} ({human_bytes(per_token)})<br>"
+        f"A full {info.max_context:,}-token context needs {human_bytes(per_token * info.max_context)}.</p>"
+    )

@@ -1,0 +1,346 @@
+"""The main window: chat on the left, the KV-cache side panel on the right; menus and status bar; the wiring.
+
+Entry point for main.py:
+
+    run_gui(args) -> int
+        args.model: str | None        a .gguf file or a Hugging Face folder; None: the saved choice or the default
+        args.cache: str | None        cache strategy for this session (none, contiguous, paged, paged-int8)
+        args.block_size: int | None   block size of the paged strategies for this session
+        args.demo: list[str] | None   prompts to send one turn each, then exit (see app.demo.run_demo)
+        args.screenshot: str | None   with demo: save a PNG of the whole window after the last reply
+
+The engine runs on a worker thread (app.engine_client); this window only reacts to its signals.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from PySide6.QtCore import Qt, QTimer
+from PySide6.QtWidgets import QApplication, QFileDialog, QMainWindow, QMessageBox, QSplitter
+
+from app import storage
+from app.block_map import BlockMap
+from app.chat_view import ChatView
+from app.dialogs import SamplingDialog, SystemPromptDialog, about_html
+from app.engine_client import EngineClient
+from app.menus import Menus
+from app.metrics_panel import MetricsPanel
+from app.settings import AppSettings
+from app.status_bar import StatusBar
+from app.style import load_stylesheet
+
+STATUS_REFRESH_MS = 200
+CONVERSATION_FILTER = "kvscope conversation (*.json);;All files (*)"
+
+
+class MainWindow(QMainWindow):
+    def __init__(self, settings: AppSettings | None = None, engine=None, model: str | None = None,
+                 cache: str | None = None, block_size: int | None = None):
+        super().__init__()
+        self.settings = settings or AppSettings()
+        self.info = None
+        self.generating = False
+        self.loading = False
+        self.snapshot: dict = {}
+        self._resync = False
+        self._last_step = None
+        self._pending_model: str | None = None
+        self.setWindowTitle("kvscope")
+        self.resize(1440, 900)
+        self._build()
+        self.client = EngineClient(cache or self.settings.cache_strategy, block_size or self.settings.block_size,
+                                   self.settings.system_prompt, parent=self)
+        self._connect_worker()
+        self.menus.check(cache or self.settings.cache_strategy, block_size or self.settings.block_size)
+        if engine is not None:
+            self.client.use_engine(engine)
+        else:
+            self.load_model(model or self.settings.model_path, remember=False)
+
+    # --- layout ----------------------------------------------------------------------------------------------------
+    def _build(self) -> None:
+        self.chat = ChatView(self)
+        self.metrics = MetricsPanel(self)
+        self.block_map = BlockMap(self)
+        self.side = QSplitter(Qt.Orientation.Vertical, self, objectName="sidePanel")
+        self.side.addWidget(self.metrics)
+        self.side.addWidget(self.block_map)
+        self.side.setSizes([640, 220])
+        self.splitter = QSplitter(Qt.Orientation.Horizontal, self)
+        self.splitter.addWidget(self.chat)
+        self.splitter.addWidget(self.side)
+        self.splitter.setSizes([780, 660])
+        self.splitter.setChildrenCollapsible(False)
+        self.setCentralWidget(self.splitter)
+        self.status = StatusBar(self)
+        self.setStatusBar(self.status)
+        self.menus = Menus(self)
+        self._connect_ui()
+        geometry, splitter = self.settings.window_state()
+        if geometry is not None:
+            self.restoreGeometry(geometry)
+        if splitter is not None:
+            self.splitter.restoreState(splitter)
+        self._set_side_panel(self.settings.show_side_panel)
+        self._refresh_timer = QTimer(self, interval=STATUS_REFRESH_MS)
+        self._refresh_timer.timeout.connect(self._refresh_live)
+        self._refresh_timer.start()
+
+    def _connect_ui(self) -> None:
+        c, m = self.chat, self.menus
+        c.send_requested.connect(self.send)
+        c.stop_requested.connect(self.stop)
+        c.regenerate_requested.connect(self.regenerate)
+        c.edit_requested.connect(self.edit_and_resend)
+        m.new_chat.triggered.connect(self.new_chat)
+        m.open.triggered.connect(lambda: self._ask_path(self.open_file, save=False))
+        m.save.triggered.connect(lambda: self._ask_path(self.save_file, save=True))
+        m.export_png.triggered.connect(lambda: self._ask_path(self.export_png, True, "PNG image (*.png)"))
+        m.export_csv.triggered.connect(lambda: self._ask_path(self.export_csv, True, "CSV (*.csv)"))
+        m.quit.triggered.connect(self.close)
+        m.strategy_group.triggered.connect(lambda a: self.set_cache(a.data(), self.settings.block_size))
+        m.block_size_group.triggered.connect(lambda a: self.set_cache(self.settings.cache_strategy, a.data()))
+        m.sampling.triggered.connect(self._edit_sampling)
+        m.system_prompt.triggered.connect(self._edit_system_prompt)
+        m.model_gguf.triggered.connect(self._choose_gguf)
+        m.model_folder.triggered.connect(self._choose_folder)
+        m.model_default.triggered.connect(lambda: self.load_model(None))
+        m.show_side_panel.toggled.connect(self._set_side_panel)
+        m.clear_plots.triggered.connect(self.metrics.clear)
+        m.about.triggered.connect(lambda: QMessageBox.about(self, "About kvscope", about_html(self.info)))
+
+    def _connect_worker(self) -> None:
+        s = self.client.signals
+        s.loaded.connect(self._on_loaded)
+        s.progress.connect(self.status.show_progress)
+        s.token.connect(self.chat.append_to_last)
+        s.step.connect(self._on_step)
+        s.trim.connect(self._on_trim)
+        s.finished.connect(self._on_finished)
+        s.error.connect(self._on_error)
+        s.stats.connect(self._on_stats)
+        s.conversation.connect(self._on_conversation)
+
+    # --- chat actions ---------------------------------------------------------------------------------------------
+    def send(self, text: str) -> None:
+        self.chat.add_message("user", text)
+        self._start_reply()
+        self.client.generate(text, self.settings.sampling)
+
+    def regenerate(self) -> None:
+        if self.chat.messages and self.chat.messages[-1].role == "assistant":
+            self.chat.remove_last()
+        self._start_reply()
+        self.client.regenerate(self.settings.sampling)
+
+    def edit_and_resend(self, text: str) -> None:
+        if self.chat.messages and self.chat.messages[-1].role == "assistant":
+            self.chat.remove_last()
+        if self.chat.messages and self.chat.messages[-1].role == "user":
+            self.chat.messages[-1].set_text(text)
+        self._start_reply()
+        self.client.edit_and_resend(text, self.settings.sampling)
+
+    def stop(self) -> None:
+        self.client.stop()
+        self.status.showMessage("Stopping…", 2000)
+
+    def _start_reply(self) -> None:
+        self.chat.clear_error()
+        self.chat.add_message("assistant", "")
+        self._set_generating(True)
+
+    def _set_generating(self, generating: bool) -> None:
+        self.generating = generating
+        self.chat.set_generating(generating)
+        self.menus.set_busy(generating or self.loading)
+
+    # --- file, model and settings actions ------------------------------------------------------------------------
+    def new_chat(self) -> None:
+        self.chat.clear()
+        self.chat.clear_error()
+        self.metrics.new_conversation()
+        self.client.new_conversation(self.settings.system_prompt)
+
+    def open_file(self, path: str) -> bool:
+        try:
+            conv = storage.open_conversation(path)
+        except storage.StorageError as e:
+            self.chat.show_error(str(e))
+            return False
+        self.chat.set_messages([(m.role, m.content) for m in conv.messages])
+        self.chat.clear_error()
+        self.metrics.new_conversation()
+        self.client.open_conversation(conv)
+        self.status.showMessage(f"Opened {path}", 4000)
+        return True
+
+    def save_file(self, path: str) -> bool:
+        try:
+            storage.save_conversation(path, self.snapshot)
+        except storage.StorageError as e:
+            self.chat.show_error(str(e))
+            return False
+        self.status.showMessage(f"Saved {path}", 4000)
+        return True
+
+    def export_png(self, path: str) -> bool:
+        ok = self.metrics.export_png(path)
+        if not ok:
+            self.chat.show_error(f"Could not write {path}")
+        return ok
+
+    def export_csv(self, path: str) -> bool:
+        try:
+            self.metrics.export_csv(path)
+        except OSError as e:
+            self.chat.show_error(f"Could not write {path}: {e.strerror or e}")
+            return False
+        return True
+
+    def load_model(self, model: str | None, remember: bool = True) -> None:
+        self.loading = True
+        self._pending_model = model if remember else "keep"
+        self.chat.set_input_enabled(False, "Loading the model…")
+        self.menus.set_busy(True)
+        self.status.show_progress(f"Loading {model or 'the default model'}…", -1)
+        self.client.load(model)
+
+    def set_cache(self, strategy: str, block_size: int) -> None:
+        self.settings.cache_strategy, self.settings.block_size = strategy, block_size
+        self.client.set_cache(strategy, block_size)
+        when = "from the next turn" if self.generating else "now"
+        self.status.showMessage(f"Cache: {strategy}, block size {block_size} (applies {when})", 5000)
+
+    def _edit_sampling(self) -> None:
+        dialog = SamplingDialog(self.settings.sampling, self)
+        if dialog.exec():
+            self.settings.sampling = dialog.params()
+
+    def _edit_system_prompt(self) -> None:
+        dialog = SystemPromptDialog(self.settings.system_prompt, self)
+        if dialog.exec():
+            self.settings.system_prompt = dialog.prompt()
+            self.client.set_system_prompt(dialog.prompt() or None)
+
+    def _choose_gguf(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Choose a GGUF model", "", "GGUF model (*.gguf)")
+        if path:
+            self.load_model(path)
+
+    def _choose_folder(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "Choose a Hugging Face model folder")
+        if path:
+            self.load_model(path)
+
+    def _ask_path(self, action, save: bool, file_filter: str = CONVERSATION_FILTER) -> None:
+        ask = QFileDialog.getSaveFileName if save else QFileDialog.getOpenFileName
+        path, _ = ask(self, "Save" if save else "Open", "", file_filter)
+        if path:
+            action(path)
+
+    def _set_side_panel(self, visible: bool) -> None:
+        self.side.setVisible(visible)
+        self.settings.show_side_panel = visible
+        if self.menus.show_side_panel.isChecked() != visible:
+            self.menus.show_side_panel.setChecked(visible)
+
+    # --- worker signals ------------------------------------------------------------------------------------------
+    def _on_loaded(self, info) -> None:
+        if self.loading and self._pending_model not in (None, "keep"):
+            self.settings.model_path = self._pending_model
+        elif self.loading and self._pending_model is None:
+            self.settings.model_path = None
+        self.loading = False
+        self.info = info
+        self.setWindowTitle(f"kvscope — {info.model_name}")
+        self.status.hide_progress()
+        self.status.set_model(info)
+        self.metrics.set_model_info(info)
+        self.menus.check(info.cache_strategy, info.block_size)
+        self.menus.set_busy(self.generating)
+        self.chat.set_input_enabled(True)
+
+    def _on_step(self, event) -> None:
+        self.metrics.add_step(event)
+        self._last_step = event
+
+    def _on_finished(self, done) -> None:
+        if self.chat.messages and self.chat.messages[-1].role == "assistant":
+            message = self.chat.messages[-1]
+            message.set_text(done.text)
+            message.set_footer(_footer(done))
+        self.status.set_done(done)
+        self.status.set_context(done.n_prompt_tokens + done.n_generated_tokens)
+        self.metrics.turn_finished(done)
+        self._refresh_live()
+        self._set_generating(False)
+
+    def _on_error(self, message: str) -> None:
+        self.chat.show_error(message)
+        if self.loading:
+            self.loading = False
+            self.status.hide_progress()
+            self.chat.set_input_enabled(self.info is not None, "" if self.info else "No model loaded: choose one "
+                                        "in Settings → Choose model")
+        if self.generating:
+            self._resync = True
+            self._set_generating(False)
+        self.menus.set_busy(self.generating)
+
+    def _on_conversation(self, data: dict) -> None:
+        self.snapshot = data
+        if self._resync:
+            self._resync = False
+            self.chat.set_messages([(m["role"], m["content"]) for m in data.get("messages", [])])
+
+    def _on_stats(self, kv) -> None:
+        self.block_map.set_stats(kv)
+        self.metrics.set_stats(kv)
+        self.status.set_kv(kv)
+
+    def _on_trim(self, trim) -> None:
+        self.status.showMessage(f"The context was full: the {trim.dropped_messages} oldest messages were dropped "
+                                f"from the model's view", 8000)
+
+    def _refresh_live(self) -> None:
+        event, self._last_step = self._last_step, None
+        if event is not None:
+            self.block_map.set_stats(event.kv)
+            self.status.set_kv(event.kv)
+            self.status.set_context(event.pos + 1)
+
+    # --- closing --------------------------------------------------------------------------------------------------
+    def closeEvent(self, event) -> None:  # noqa: N802 (Qt override)
+        self.settings.save_window_state(self.saveGeometry(), self.splitter.saveState())
+        self.settings.sync()
+        self._refresh_timer.stop()
+        self.client.shutdown()
+        super().closeEvent(event)
+
+
+def _footer(done) -> str:
+    parts = [f"{done.n_generated_tokens} tokens", f"{done.decode_tok_s:.1f} tok/s",
+             f"first token {done.ttft_ms:,.0f} ms", f"prefix reused {done.prefix_hit_tokens}/{done.n_prompt_tokens}",
+             done.strategy]
+    if done.finish_reason != "stop":
+        parts.append({"cancelled": "stopped", "length": "length limit"}.get(done.finish_reason, done.finish_reason))
+    return " · ".join(parts)
+
+
+def run_gui(args) -> int:
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+    app.setOrganizationName("kvscope")
+    app.setApplicationName("kvscope")
+    app.setStyleSheet(load_stylesheet())
+    window = MainWindow(model=getattr(args, "model", None), cache=getattr(args, "cache", None),
+                        block_size=getattr(args, "block_size", None))
+    window.show()
+    prompts = getattr(args, "demo", None)
+    if prompts:
+        from app.demo import run_demo
+
+        return run_demo(window, prompts, getattr(args, "screenshot", None))
+    return app.exec()
+

@@ -1,0 +1,90 @@
+"""The menu bar: File, Settings, View, Help. Actions are plain attributes so the window (and tests) reach them."""
+
+from __future__ import annotations
+
+from PySide6.QtGui import QAction, QActionGroup, QKeySequence
+from PySide6.QtWidgets import QMainWindow, QMenu
+
+from app.settings import MENU_BLOCK_SIZES
+from engine.config import CACHE_STRATEGIES
+
+STRATEGY_HINTS = {
+    "none": "no cache: recompute the whole context every step",
+    "contiguous": "one preallocated buffer per sequence",
+    "paged": "fixed-size blocks from a shared pool, with prefix caching",
+    "paged-int8": "paged, keys and values stored as int8 with scales",
+}
+
+
+class Menus:
+    def __init__(self, window: QMainWindow):
+        self.window = window
+        bar = window.menuBar()
+        self._file(bar.addMenu("&File"))
+        self._settings(bar.addMenu("&Settings"))
+        self._view(bar.addMenu("&View"))
+        help_menu = bar.addMenu("&Help")
+        self.about = self._action(help_menu, "&About kvscope…")
+
+    def _action(self, menu: QMenu, text: str, shortcut=None, checkable: bool = False, tip: str = "") -> QAction:
+        action = QAction(text, self.window, checkable=checkable)
+        if shortcut is not None:
+            action.setShortcut(QKeySequence(shortcut))
+        if tip:
+            action.setStatusTip(tip)
+            action.setToolTip(tip)
+        menu.addAction(action)
+        return action
+
+    def _file(self, menu: QMenu) -> None:
+        self.new_chat = self._action(menu, "&New chat", QKeySequence.StandardKey.New)
+        self.open = self._action(menu, "&Open…", QKeySequence.StandardKey.Open)
+        self.save = self._action(menu, "&Save…", QKeySequence.StandardKey.Save)
+        menu.addSeparator()
+        self.export_png = self._action(menu, "Export plots as &PNG…")
+        self.export_csv = self._action(menu, "Export figures as &CSV…")
+        menu.addSeparator()
+        self.quit = self._action(menu, "&Quit", QKeySequence.StandardKey.Quit)
+
+    def _settings(self, menu: QMenu) -> None:
+        strategy_menu = menu.addMenu("Cache &strategy")
+        self.strategy_group = QActionGroup(self.window, exclusive=True)
+        self.strategies: dict[str, QAction] = {}
+        for name in CACHE_STRATEGIES:
+            action = self._action(strategy_menu, name, checkable=True, tip=STRATEGY_HINTS.get(name, ""))
+            action.setData(name)
+            self.strategy_group.addAction(action)
+            self.strategies[name] = action
+        block_menu = menu.addMenu("&Block size")
+        self.block_size_group = QActionGroup(self.window, exclusive=True)
+        self.block_sizes: dict[int, QAction] = {}
+        for size in MENU_BLOCK_SIZES:
+            action = self._action(block_menu, f"{size} tokens", checkable=True)
+            action.setData(size)
+            self.block_size_group.addAction(action)
+            self.block_sizes[size] = action
+        menu.addSeparator()
+        self.sampling = self._action(menu, "Sa&mpling…")
+        self.system_prompt = self._action(menu, "System &prompt…")
+        menu.addSeparator()
+        model_menu = menu.addMenu("Choose &model")
+        self.model_gguf = self._action(model_menu, "GGUF file…")
+        self.model_folder = self._action(model_menu, "Hugging Face model folder…")
+        self.model_default = self._action(model_menu, "Default model (SmolLM2-135M-Instruct)")
+
+    def _view(self, menu: QMenu) -> None:
+        self.show_side_panel = self._action(menu, "Show side &panel", "Ctrl+B", checkable=True)
+        self.clear_plots = self._action(menu, "&Clear plots")
+
+    def check(self, strategy: str, block_size: int) -> None:
+        if strategy in self.strategies:
+            self.strategies[strategy].setChecked(True)
+        if block_size in self.block_sizes:
+            self.block_sizes[block_size].setChecked(True)
+        for action in self.block_sizes.values():
+            action.setEnabled(strategy.startswith("paged"))
+
+    def set_busy(self, busy: bool) -> None:
+        """While a reply streams, actions that replace the conversation or the model wait."""
+        for action in (self.new_chat, self.open, self.model_gguf, self.model_folder, self.model_default):
+            action.setEnabled(not busy)

@@ -1,0 +1,69 @@
+"""The status bar: model, device, cache strategy, speed of the last reply, context used, KV memory now."""
+
+from __future__ import annotations
+
+from PySide6.QtWidgets import QLabel, QProgressBar, QStatusBar, QWidget
+
+from app.model_info import ModelInfo
+from app.style import human_bytes, strategy_color
+
+
+class StatusBar(QStatusBar):
+    FIELDS = ("model", "device", "strategy", "speed", "ttft", "context", "kv")
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setSizeGripEnabled(False)
+        self.labels: dict[str, QLabel] = {}
+        self.progress = QProgressBar(self, minimumWidth=160, maximumWidth=220, textVisible=False)
+        self.progress.hide()
+        self.addWidget(self.progress)
+        for name in self.FIELDS:
+            label = QLabel("", self)
+            label.setObjectName("statusStrong" if name in ("model", "strategy") else f"status_{name}")
+            self.labels[name] = label
+            self.addPermanentWidget(label)
+        self.max_context = 0
+        self.set_model(None)
+
+    def text(self, name: str) -> str:
+        return self.labels[name].text()
+
+    def set_model(self, info: ModelInfo | None) -> None:
+        if info is None:
+            self._set(model="no model", device="", strategy="", speed="– tok/s", ttft="first token –",
+                      context="context –", kv="KV –")
+            return
+        self.max_context = info.max_context
+        color = strategy_color(info.cache_strategy)
+        block = f" · {info.block_size}" if info.cache_strategy.startswith("paged") else ""
+        self._set(model=info.model_name, device=f"{info.device} · {info.dtype_name}",
+                  strategy=f'<span style="color:{color};">■</span> {info.cache_strategy}{block}')
+
+    def set_done(self, done) -> None:
+        self._set(speed=f"{done.decode_tok_s:.1f} tok/s", ttft=f"first token {done.ttft_ms:,.0f} ms")
+
+    def set_context(self, used: int) -> None:
+        limit = max(self.max_context, 1)
+        self._set(context=f"context {used:,} / {self.max_context:,} ({used / limit:.1%})")
+
+    def set_kv(self, kv) -> None:
+        self._set(kv=f"KV {human_bytes(kv.bytes_allocated)}")
+
+    def show_progress(self, message: str, fraction: float) -> None:
+        self.progress.show()
+        if fraction < 0:
+            self.progress.setRange(0, 0)  # busy indicator
+        else:
+            self.progress.setRange(0, 100)
+            self.progress.setValue(int(fraction * 100))
+        self.showMessage(message)
+
+    def hide_progress(self) -> None:
+        self.progress.hide()
+        self.clearMessage()
+
+    def _set(self, **texts: str) -> None:
+        for name, text in texts.items():
+            self.labels[name].setText(text)
+            self.labels[name].setVisible(bool(text))
