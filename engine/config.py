@@ -88,7 +88,7 @@ def _architecture_from_model_type(model_type: str | None) -> str:
 class EngineConfig:
     cache: str = "paged"
     block_size: int = 16
-    pool_tokens: int | None = None  # paged pool capacity; default: twice the context limit
+    pool_tokens: int | None = None  # paged pool capacity in tokens; default: the context limit
     max_context: int | None = None  # default: the model's max_position_embeddings
     device: str | None = None  # default: cuda, then mps, then cpu
     dtype: str | None = None  # default: float16 on cuda/mps, float32 on cpu (measured fastest there)

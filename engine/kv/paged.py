@@ -94,7 +94,7 @@ class PagedCache(KVCache):
                  pool_tokens: int | None = None):
         super().__init__(model_config, dtype, device, max_context)
         self.block_size = block_size
-        num_blocks = -(-(pool_tokens or 2 * max_context) // block_size)
+        num_blocks = -(-(pool_tokens or max_context) // block_size)
         self.pool = BlockPool(num_blocks, block_size)
         self.seqs: dict[int, Sequence] = {}
         self._allocate_storage(num_blocks * block_size)

@@ -1,0 +1,173 @@
+"""What every benchmark shares: the loaded engine and peers, cache construction, timing, machine facts, text."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from engine import loader
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.kv.base import KVCache
+from engine.kv.contiguous import ContiguousCache
+from engine.kv.paged import PagedCache
+from engine.kv.paged_int8 import PagedInt8Cache
+from engine.kv.recompute import RecomputeCache
+
+ENGINE_STRATEGIES = ("none", "contiguous", "paged", "paged-int8")
+SEED = 1234
+
+
+# ---- the loaded models, shared by every benchmark of a run
+@dataclass
+class BenchContext:
+    engine: Engine
+    model_arg: str | None  # what --model said (None: the default GGUF)
+    quick: bool
+    _hf_model: object | None = field(default=None, repr=False)
+    _text_ids: list[int] | None = field(default=None, repr=False)
+
+    @property
+    def gguf_path(self) -> Path | None:
+        """The GGUF file the engine's weights came from, if any (llama.cpp's input)."""
+        path = loader.default_model_path() if self.model_arg is None else Path(self.model_arg).expanduser()
+        return path if path.suffix.lower() == ".gguf" else None
+
+    @property
+    def hf_folder(self) -> Path:
+        """A Hugging Face folder with the engine's exact weights (the GGUF's dequantized conversion)."""
+        gguf = self.gguf_path
+        return loader.gguf_cache_folder(gguf) if gguf else Path(self.model_arg).expanduser()
+
+    def hf_model(self):
+        """transformers' own Llama on the same weights, dtype and device (loaded once, on first use)."""
+        if self._hf_model is None:
+            from transformers import AutoModelForCausalLM
+
+            status(f"loading the transformers peer from {self.hf_folder}")
+            model = AutoModelForCausalLM.from_pretrained(str(self.hf_folder), dtype=self.engine.dtype)
+            self._hf_model = model.to(self.engine.device).eval()
+        return self._hf_model
+
+    def text_ids(self) -> list[int]:
+        """Real English text (the Python docs' topic pages shipped with the standard library), tokenized."""
+        if self._text_ids is None:
+            self._text_ids = self.engine.tokenizer.encode(real_text(), add_special_tokens=False)
+        return self._text_ids
+
+
+def load_context(model: str | None, quick: bool) -> BenchContext:
+    status("loading the engine")
+    config = EngineConfig(cache="paged", pool_tokens=1024)  # each benchmark builds the caches it measures
+    engine = Engine.load(model, config, progress=lambda message, _fraction: status(message))
+    return BenchContext(engine, model, quick)
+
+
+def real_text() -> str:
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def random_ids(n: int, vocab_size: int, seed: int = SEED) -> list[int]:
+    """n token ids drawn uniformly, away from the special tokens at the start of the vocabulary."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab_size - 1, (n,), generator=g).tolist()
+
+
+# ---- caches
+def make_cache(engine: Engine, strategy: str, block_size: int = 16, pool_tokens: int | None = None,
+               max_context: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
+    args = (engine.model_config, dtype or engine.dtype, engine.device, max_context or engine.max_context)
+    if strategy == "none":
+        return RecomputeCache(*args)
+    if strategy == "contiguous":
+        return ContiguousCache(*args)
+    cls = {"paged": PagedCache, "paged-int8": PagedInt8Cache}[strategy]
+    return cls(*args, block_size=block_size, pool_tokens=pool_tokens)
+
+
+@contextmanager
+def using_cache(engine: Engine, cache: KVCache) -> Iterator[KVCache]:
+    """Run the engine on `cache` inside the block; the engine's own cache comes back afterwards."""
+    previous = engine.cache
+    engine.cache = cache
+    try:
+        yield cache
+    finally:
+        engine.cache = previous
+
+
+def prefill(engine: Engine, seq_id: int, ids: list[int], chunk: int = 1024) -> None:
+    """Append ids to the sequence's cache in chunks (the sequence must have been prepared)."""
+    for start in range(0, len(ids), chunk):
+        engine.step([seq_id], [ids[start:start + chunk]])
+
+
+# ---- timing
+def timed_ms(fn: Callable[[], object], sync: Callable[[], None] | None = None) -> tuple[object, float]:
+    start = time.perf_counter()
+    result = fn()
+    if sync:
+        sync()
+    return result, (time.perf_counter() - start) * 1000
+
+
+def median(values: Iterable[float]) -> float:
+    values = list(values)
+    return statistics.median(values) if values else float("nan")
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+# ---- progress and messages
+def bar(iterable: Iterable, desc: str, total: int | None = None) -> tqdm:
+    return tqdm(iterable, desc=desc, total=total, file=sys.stderr, leave=False, dynamic_ncols=True)
+
+
+def status(message: str) -> None:
+    tqdm.write(f"[bench] {message}", file=sys.stderr)
+
+
+# ---- the machine
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(engine: Engine) -> dict:
+    import transformers
+
+    return {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": str(engine.device),
+        "model": engine.model_name,
+        "model_dtype": engine.dtype_name,
+        "cache_dtypes": {"contiguous": engine.dtype_name, "paged": engine.dtype_name,
+                         "paged-int8": "int8 + float16 scales"},
+        "max_context": engine.max_context,
+    }

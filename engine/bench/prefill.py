@@ -1,0 +1,60 @@
+"""prefill: prompt tokens per second at 128, 512 and 2,048 tokens, the engine (paged) against the same peers."""
+
+from __future__ import annotations
+
+from engine.bench import peers, report
+from engine.bench.common import BenchContext, bar, median, random_ids
+
+LENGTHS = (128, 512, 2048)
+REPEATS, QUICK_REPEATS = 3, 2
+
+METHOD = (
+    "Each repeat prefills a fresh prompt of random token ids (a different prompt every time, so the prefix cache "
+    "never hits) from an empty cache; tokens/s = length / median time. The engine runs its own prefill path "
+    "(chunks of 1,024 tokens, logits of the last token only); transformers runs one forward with "
+    "logits_to_keep=1. One warm-up prefill per peer is not counted."
+)
+
+
+def run(ctx: BenchContext, quick: bool) -> dict:
+    repeats = QUICK_REPEATS if quick else REPEATS
+    vocab = ctx.engine.model_config.vocab_size
+    runners, notes = peers.external_peers(ctx, max(LENGTHS) + 8)
+    runners = {"paged": peers.EnginePeer(ctx.engine, "paged", max(LENGTHS) + 64), **runners}
+    samples = {}
+    for name, peer in bar(list(runners.items()), "prefill peers"):
+        peer.prefill_ms(random_ids(32, vocab, seed=7))  # warm-up
+        samples[name] = {str(n): [peer.prefill_ms(random_ids(n, vocab, seed=100 * n + i)) for i in range(repeats)]
+                         for n in LENGTHS}
+    tok_s = {name: {n: int(n) / (median(ms) / 1000) for n, ms in s.items()} for name, s in samples.items()}
+    return {"method": METHOD, "lengths": list(LENGTHS), "repeats": repeats, "notes": notes,
+            "tokens_per_s": tok_s, "samples_ms": samples}
+
+
+def summarize(r: dict) -> str:
+    names = list(r["tokens_per_s"])
+    rows = [[n, *[r["tokens_per_s"][name][str(n)] for name in names],
+             *[_ratio(r, "paged", other, n) for other in names[1:]]] for n in r["lengths"]]
+    headers = ["prompt tokens", *[f"{name} (tok/s)" for name in names], *[f"paged / {o}" for o in names[1:]]]
+    return report.section("prefill: prompt tokens per second", r["method"], report.md_table(headers, rows),
+                          "\n".join(f"- {n}" for n in r["notes"]))
+
+
+def _ratio(r: dict, a: str, b: str, n: int) -> float:
+    return r["tokens_per_s"][a][str(n)] / r["tokens_per_s"][b][str(n)]
+
+
+def plot(r: dict, path) -> None:
+    fig, (ax,) = report.figure(1, width=7)
+    names = list(r["tokens_per_s"])
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        xs = [j + i * width for j in range(len(r["lengths"]))]
+        ax.bar(xs, [r["tokens_per_s"][name][str(n)] for n in r["lengths"]], width, label=name,
+               color=report.color(name))
+    ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(r["lengths"]))],
+                  [str(n) for n in r["lengths"]])
+    ax.set(title="prefill throughput", xlabel="prompt tokens", ylabel="tokens / s")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend()
+    report.save(fig, path)

@@ -1,0 +1,137 @@
+"""The performance targets, as ratios computed from the results, each with PASS/MISS, the margin, and a why line."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.bench.report import fmt, md_table, pct, section
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    measured: float | None
+    goal: str  # e.g. ">= 2.5x"
+    passed: bool | None  # None: not measured
+    margin: str  # where missed: by how much
+    why: str  # one short line: what the numbers say
+
+    @property
+    def verdict(self) -> str:
+        return "n/a" if self.passed is None else ("PASS" if self.passed else "MISS")
+
+
+OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
+
+
+def _check(name: str, measured: float | None, op: str, threshold: float, unit: str, why: str,
+           pct_units: bool = False) -> Target:
+    show = pct if pct_units else (lambda x: f"{fmt(x)}{unit}")
+    goal = f"{op} {show(threshold)}"
+    if measured is None:
+        return Target(name, None, goal, None, "", why or "not measured in this run")
+    passed = OPS[op](measured, threshold)
+    margin = "" if passed else f"missed by {abs(measured / threshold - 1) * 100:.0f}% ({show(measured)})"
+    return Target(name, measured, goal, passed, margin, why)
+
+
+def _get(d: dict | None, *keys):
+    for k in keys:
+        if not isinstance(d, dict) or k not in d:
+            return None
+        d = d[k]
+    return d
+
+
+def _div(a, b):
+    return a / b if a is not None and b else None
+
+
+# ---- decode
+def decode_targets(r: dict) -> list[Target]:
+    lat = r.get("latency_ms", {})
+    out = []
+    for c in ("512", "2048"):
+        hf, paged = _get(lat, "transformers", c), _get(lat, "paged", c)
+        out.append(_check(f"paged decode vs transformers at {c} (transformers / paged)", _div(hf, paged), ">=",
+                          2.5, "x", f"paged {fmt(paged)} ms vs transformers {fmt(hf)} ms per token; both read the "
+                          "same weights, so a gap comes from per-step overhead, not bandwidth"))
+    paged, contig, int8 = (_get(lat, s, "2048") for s in ("paged", "contiguous", "paged-int8"))
+    out.append(_check("paged / contiguous latency at 2048", _div(paged, contig), "<=", 1.15, "x",
+                      f"paged {fmt(paged)} ms vs contiguous {fmt(contig)} ms: the price of the block table"))
+    out.append(_check("paged-int8 / paged latency at 2048", _div(int8, paged), "<=", 1.3, "x",
+                      f"paged-int8 {fmt(int8)} ms vs paged {fmt(paged)} ms: dequantizing every held token per step"))
+    out.append(_growth_target(lat.get("paged", {})))
+    mult = _get(r, "roofline", "multiple", "paged", "512")
+    bound = _get(r, "roofline", "bound_ms", "paged", "512")
+    out.append(_check("paged decode / bandwidth lower bound at 512", mult, "<=", 2.0, "x",
+                      f"bound {fmt(bound)} ms vs {fmt(_get(lat, 'paged', '512'))} ms: the rest is compute and "
+                      "per-op overhead"))
+    return out
+
+
+def _growth_target(paged: dict) -> Target:
+    contexts = sorted(int(c) for c in paged)
+    top = 4096 if 4096 in contexts else (contexts[-1] if contexts else None)
+    name = f"paged latency growth 16 -> {top}" + ("" if top == 4096 else " (4096 not measured)")
+    growth = _div(paged.get(str(top)), paged.get("16")) if top else None
+    return _check(name, growth, "<", 2.0, "x", f"{fmt(paged.get('16'))} ms at 16, {fmt(paged.get(str(top)))} ms "
+                  f"at {top}: attention over the held keys grows with context")
+
+
+# ---- turns
+def turns_targets(r: dict) -> list[Target]:
+    paged = r.get("paged") or []
+    if len(paged) < 2:
+        return []
+    last, second = paged[-1], paged[1]
+    name = f"TTFT turn {last['turn']} / turn 2 (paged)" + ("" if last["turn"] == 20 else " (quick run)")
+    return [_check(name, _div(last["ttft_ms"], second["ttft_ms"]), "<=", 1.3, "x",
+                   f"turn 2 prefilled {second['prompt_tokens'] - second['prefix_hit_tokens']} new tokens in "
+                   f"{fmt(second['ttft_ms'])} ms, turn {last['turn']} "
+                   f"{last['prompt_tokens'] - last['prefix_hit_tokens']} in {fmt(last['ttft_ms'])} ms over a "
+                   f"{last['prompt_tokens']}-token history")]
+
+
+# ---- concurrency
+def concurrency_targets(r: dict) -> list[Target]:
+    by_name = {c["name"]: c for c in r.get("configs", [])}
+    p16, full = by_name.get("paged bs=16"), by_name.get("contiguous (full context)")
+    if not p16 or not full:
+        return []
+    return [
+        _check("paged bs=16 utilisation", p16["utilisation"], ">", 0.95, "", "the last block of each sequence "
+               "is partly empty: about block_size / 2 tokens wasted per sequence", pct_units=True),
+        _check("paged bs=16 concurrent sequences / contiguous (full context)", r["paged16_over_contiguous_full"],
+               ">=", 2.5, "x", f"{p16['admitted']} vs {full['admitted']} sequences: contiguous reserves the whole "
+               "context per sequence"),
+    ]
+
+
+EVALUATORS: dict[str, Callable[[dict], list[Target]]] = {
+    "decode": decode_targets, "turns": turns_targets, "concurrency": concurrency_targets,
+}
+
+
+def evaluate(results: dict) -> list[Target]:
+    out = []
+    for name, fn in EVALUATORS.items():
+        if isinstance(results.get(name), dict) and "error" not in results[name]:
+            out += fn(results[name])
+    return out
+
+
+def summarize(targets: list[Target]) -> str:
+    if not targets:
+        return ""
+    rows = [[t.name, t.goal, _show(t), t.verdict, t.margin, t.why] for t in targets]
+    return section("Targets", "Ratios from this run; PASS/MISS against the goals of the benchmark issue.",
+                   md_table(["target", "goal", "measured", "verdict", "margin", "why"], rows))
+
+
+def _show(t: Target) -> str:
+    if t.measured is None:
+        return "-"
+    return pct(t.measured) if "%" in t.goal else f"{fmt(t.measured)}x"
