@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import (
-    QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QScrollArea, QToolButton, QVBoxLayout, QWidget,
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QPlainTextEdit,
+    QPushButton,
+    QScrollArea,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
 )
 
 from app.message_widget import MessageWidget
@@ -131,7 +139,7 @@ class ChatView(QWidget):
         return self._error_label.text() if self._error_banner.isVisibleTo(self) else ""
 
     def scroll_to_bottom(self) -> None:
-        QTimer.singleShot(0, self._scroll_now)
+        QTimer.singleShot(0, self, self._scroll_now)
 
     # --- internals ---------------------------------------------------------------------------------------------
     def _build(self) -> None:
@@ -147,8 +155,9 @@ class ChatView(QWidget):
         self._list_layout.addStretch(1)
         self.scroll.setWidget(self._list)
         layout.addWidget(self.scroll, 1)
-        self._placeholder = QLabel("Start a conversation.\nThe side panel shows what the KV cache does, token by token.",
-                                   self._list, objectName="placeholder", alignment=Qt.AlignmentFlag.AlignCenter)
+        hint = "Start a conversation.\nThe side panel shows what the KV cache does, token by token."
+        self._placeholder = QLabel(hint, self._list, objectName="placeholder",
+                                   alignment=Qt.AlignmentFlag.AlignCenter)
         self._list_layout.insertWidget(0, self._placeholder)
         layout.addWidget(self._build_error_banner())
         layout.addWidget(self._build_input_row())

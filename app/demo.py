@@ -23,9 +23,9 @@ class DemoRunner(QObject):
         self._started = False
 
     def run(self) -> int:
-        QTimer.singleShot(DEMO_TIMEOUT_MS, lambda: self._fail("the demo did not finish in time"))
+        QTimer.singleShot(DEMO_TIMEOUT_MS, self, lambda: self._fail("the demo did not finish in time"))
         if self.window.info is not None:
-            QTimer.singleShot(0, self._next)
+            QTimer.singleShot(0, self, self._next)
         return self.loop.exec()
 
     def _on_loaded(self, info) -> None:
@@ -37,7 +37,7 @@ class DemoRunner(QObject):
         if self.prompts:
             self.window.send(self.prompts.pop(0))
         else:
-            QTimer.singleShot(SETTLE_MS, self._finish)
+            QTimer.singleShot(SETTLE_MS, self, self._finish)
 
     def _on_finished(self, done) -> None:
         print(f"[{done.strategy}] {done.text}\n", flush=True)

@@ -89,6 +89,7 @@ class EngineClient(QObject):
         self.worker.close(self._requests)
         self.thread.quit()
         self.thread.wait()
+        self.worker.release()  # the thread is gone: safe to touch the engine from here
 
     @property
     def running(self) -> bool:

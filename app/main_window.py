@@ -17,21 +17,20 @@ from __future__ import annotations
 import sys
 
 from PySide6.QtCore import Qt, QTimer
-from PySide6.QtWidgets import QApplication, QFileDialog, QMainWindow, QMessageBox, QSplitter
+from PySide6.QtWidgets import QApplication, QMainWindow, QMessageBox, QSplitter
 
-from app import storage
 from app.block_map import BlockMap
 from app.chat_view import ChatView
-from app.dialogs import SamplingDialog, SystemPromptDialog, about_html
+from app.dialogs import about_html
 from app.engine_client import EngineClient
 from app.menus import Menus
 from app.metrics_panel import MetricsPanel
 from app.settings import AppSettings
 from app.status_bar import StatusBar
 from app.style import load_stylesheet
+from app.window_actions import WindowActions
 
 STATUS_REFRESH_MS = 200
-CONVERSATION_FILTER = "kvscope conversation (*.json);;All files (*)"
 
 
 class MainWindow(QMainWindow):
@@ -46,6 +45,8 @@ class MainWindow(QMainWindow):
         self._resync = False
         self._last_step = None
         self._pending_model: str | None = None
+        self._sent_text = ""
+        self.sampling_override = None  # SamplingParams used instead of the saved ones (scripts, tests)
         self.setWindowTitle("kvscope")
         self.resize(1440, 900)
         self._build()
@@ -60,13 +61,10 @@ class MainWindow(QMainWindow):
 
     # --- layout ----------------------------------------------------------------------------------------------------
     def _build(self) -> None:
+        self.actions_ = WindowActions(self)
         self.chat = ChatView(self)
-        self.metrics = MetricsPanel(self)
-        self.block_map = BlockMap(self)
-        self.side = QSplitter(Qt.Orientation.Vertical, self, objectName="sidePanel")
-        self.side.addWidget(self.metrics)
-        self.side.addWidget(self.block_map)
-        self.side.setSizes([640, 220])
+        self.block_map = BlockMap()
+        self.metrics = self.side = MetricsPanel(self, companion=self.block_map)
         self.splitter = QSplitter(Qt.Orientation.Horizontal, self)
         self.splitter.addWidget(self.chat)
         self.splitter.addWidget(self.side)
@@ -94,17 +92,18 @@ class MainWindow(QMainWindow):
         c.regenerate_requested.connect(self.regenerate)
         c.edit_requested.connect(self.edit_and_resend)
         m.new_chat.triggered.connect(self.new_chat)
-        m.open.triggered.connect(lambda: self._ask_path(self.open_file, save=False))
-        m.save.triggered.connect(lambda: self._ask_path(self.save_file, save=True))
-        m.export_png.triggered.connect(lambda: self._ask_path(self.export_png, True, "PNG image (*.png)"))
-        m.export_csv.triggered.connect(lambda: self._ask_path(self.export_csv, True, "CSV (*.csv)"))
+        a = self.actions_
+        m.open.triggered.connect(lambda: a.ask_path(a.open_file, save=False))
+        m.save.triggered.connect(lambda: a.ask_path(a.save_file, save=True))
+        m.export_png.triggered.connect(lambda: a.ask_path(a.export_png, True, "PNG image (*.png)"))
+        m.export_csv.triggered.connect(lambda: a.ask_path(a.export_csv, True, "CSV (*.csv)"))
         m.quit.triggered.connect(self.close)
         m.strategy_group.triggered.connect(lambda a: self.set_cache(a.data(), self.settings.block_size))
         m.block_size_group.triggered.connect(lambda a: self.set_cache(self.settings.cache_strategy, a.data()))
-        m.sampling.triggered.connect(self._edit_sampling)
-        m.system_prompt.triggered.connect(self._edit_system_prompt)
-        m.model_gguf.triggered.connect(self._choose_gguf)
-        m.model_folder.triggered.connect(self._choose_folder)
+        m.sampling.triggered.connect(a.edit_sampling)
+        m.system_prompt.triggered.connect(a.edit_system_prompt)
+        m.model_gguf.triggered.connect(a.choose_gguf)
+        m.model_folder.triggered.connect(a.choose_folder)
         m.model_default.triggered.connect(lambda: self.load_model(None))
         m.show_side_panel.toggled.connect(self._set_side_panel)
         m.clear_plots.triggered.connect(self.metrics.clear)
@@ -124,23 +123,30 @@ class MainWindow(QMainWindow):
 
     # --- chat actions ---------------------------------------------------------------------------------------------
     def send(self, text: str) -> None:
+        self._sent_text = text
         self.chat.add_message("user", text)
         self._start_reply()
-        self.client.generate(text, self.settings.sampling)
+        self.client.generate(text, self.sampling_params())
 
     def regenerate(self) -> None:
+        self._sent_text = ""
         if self.chat.messages and self.chat.messages[-1].role == "assistant":
             self.chat.remove_last()
         self._start_reply()
-        self.client.regenerate(self.settings.sampling)
+        self.client.regenerate(self.sampling_params())
 
     def edit_and_resend(self, text: str) -> None:
+        self._sent_text = text
         if self.chat.messages and self.chat.messages[-1].role == "assistant":
             self.chat.remove_last()
         if self.chat.messages and self.chat.messages[-1].role == "user":
             self.chat.messages[-1].set_text(text)
         self._start_reply()
-        self.client.edit_and_resend(text, self.settings.sampling)
+        self.client.edit_and_resend(text, self.sampling_params())
+
+    def sampling_params(self):
+        """The SamplingParams for the next turn: the Sampling dialog's saved values unless overridden."""
+        return self.sampling_override or self.settings.sampling
 
     def stop(self) -> None:
         self.client.stop()
@@ -163,42 +169,6 @@ class MainWindow(QMainWindow):
         self.metrics.new_conversation()
         self.client.new_conversation(self.settings.system_prompt)
 
-    def open_file(self, path: str) -> bool:
-        try:
-            conv = storage.open_conversation(path)
-        except storage.StorageError as e:
-            self.chat.show_error(str(e))
-            return False
-        self.chat.set_messages([(m.role, m.content) for m in conv.messages])
-        self.chat.clear_error()
-        self.metrics.new_conversation()
-        self.client.open_conversation(conv)
-        self.status.showMessage(f"Opened {path}", 4000)
-        return True
-
-    def save_file(self, path: str) -> bool:
-        try:
-            storage.save_conversation(path, self.snapshot)
-        except storage.StorageError as e:
-            self.chat.show_error(str(e))
-            return False
-        self.status.showMessage(f"Saved {path}", 4000)
-        return True
-
-    def export_png(self, path: str) -> bool:
-        ok = self.metrics.export_png(path)
-        if not ok:
-            self.chat.show_error(f"Could not write {path}")
-        return ok
-
-    def export_csv(self, path: str) -> bool:
-        try:
-            self.metrics.export_csv(path)
-        except OSError as e:
-            self.chat.show_error(f"Could not write {path}: {e.strerror or e}")
-            return False
-        return True
-
     def load_model(self, model: str | None, remember: bool = True) -> None:
         self.loading = True
         self._pending_model = model if remember else "keep"
@@ -212,33 +182,6 @@ class MainWindow(QMainWindow):
         self.client.set_cache(strategy, block_size)
         when = "from the next turn" if self.generating else "now"
         self.status.showMessage(f"Cache: {strategy}, block size {block_size} (applies {when})", 5000)
-
-    def _edit_sampling(self) -> None:
-        dialog = SamplingDialog(self.settings.sampling, self)
-        if dialog.exec():
-            self.settings.sampling = dialog.params()
-
-    def _edit_system_prompt(self) -> None:
-        dialog = SystemPromptDialog(self.settings.system_prompt, self)
-        if dialog.exec():
-            self.settings.system_prompt = dialog.prompt()
-            self.client.set_system_prompt(dialog.prompt() or None)
-
-    def _choose_gguf(self) -> None:
-        path, _ = QFileDialog.getOpenFileName(self, "Choose a GGUF model", "", "GGUF model (*.gguf)")
-        if path:
-            self.load_model(path)
-
-    def _choose_folder(self) -> None:
-        path = QFileDialog.getExistingDirectory(self, "Choose a Hugging Face model folder")
-        if path:
-            self.load_model(path)
-
-    def _ask_path(self, action, save: bool, file_filter: str = CONVERSATION_FILTER) -> None:
-        ask = QFileDialog.getSaveFileName if save else QFileDialog.getOpenFileName
-        path, _ = ask(self, "Save" if save else "Open", "", file_filter)
-        if path:
-            action(path)
 
     def _set_side_panel(self, visible: bool) -> None:
         self.side.setVisible(visible)
@@ -271,10 +214,10 @@ class MainWindow(QMainWindow):
             message = self.chat.messages[-1]
             message.set_text(done.text)
             message.set_footer(_footer(done))
+        self._refresh_live()
         self.status.set_done(done)
         self.status.set_context(done.n_prompt_tokens + done.n_generated_tokens)
         self.metrics.turn_finished(done)
-        self._refresh_live()
         self._set_generating(False)
 
     def _on_error(self, message: str) -> None:
@@ -291,9 +234,11 @@ class MainWindow(QMainWindow):
 
     def _on_conversation(self, data: dict) -> None:
         self.snapshot = data
-        if self._resync:
+        if self._resync:  # a turn failed: show the conversation as the worker kept it, and give the text back
             self._resync = False
             self.chat.set_messages([(m["role"], m["content"]) for m in data.get("messages", [])])
+            if self._sent_text and not self.chat.input.toPlainText():
+                self.chat.input.setPlainText(self._sent_text)
 
     def _on_stats(self, kv) -> None:
         self.block_map.set_stats(kv)

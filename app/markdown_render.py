@@ -14,11 +14,13 @@ def _fence(self, tokens, idx, options, env) -> str:
     token = tokens[idx]
     language = token.info.strip().split(" ")[0] if token.info else ""
     code = escapeHtml(token.content.rstrip("\n"))
-    label = f'<div style="color:{TEXT_MUTED}; font-size:small;">{escapeHtml(language)}</div>' if language else ""
+    label = ""
+    if language:
+        label = f'<p style="color:{TEXT_MUTED}; font-size:small; margin:0 0 4px 0;">{escapeHtml(language)}</p>'
     return (
         f'<table width="100%" cellpadding="8" cellspacing="0" bgcolor="{CODE_BACKGROUND}" '
         f'style="margin-top:4px; margin-bottom:8px;"><tr><td>{label}'
-        f'<pre style="font-family:{_CODE_FONT}; white-space:pre-wrap;">{code}</pre></td></tr></table>\n'
+        f'<pre style="font-family:{_CODE_FONT}; white-space:pre-wrap; margin:0;">{code}</pre></td></tr></table>\n'
     )
 
 

@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+import time
+
 from PySide6.QtCore import QTimer, QUrl, Signal
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (
-    QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QSizePolicy, QTextBrowser, QToolButton, QVBoxLayout,
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QPlainTextEdit,
+    QPushButton,
+    QSizePolicy,
+    QTextBrowser,
+    QToolButton,
+    QVBoxLayout,
     QWidget,
 )
 
 from app.markdown_render import render_markdown, render_plain
 
-RENDER_INTERVAL_MS = 50  # a streaming reply is re-rendered at most this often
+RENDER_INTERVAL_MS = 60  # a streaming reply is re-rendered at most this often...
+RENDER_BUDGET = 0.2  # ...and rendering takes at most this share of the time while it streams (long replies)
 
 
 class MessageBrowser(QTextBrowser):
@@ -160,5 +171,8 @@ class MessageWidget(QFrame):
             self.edit_submitted.emit(text)
 
     def _render(self) -> None:
+        start = time.perf_counter()
         html = render_plain(self._text) if self.role == "user" else render_markdown(self._text)
         self.browser.setHtml(html)
+        elapsed_ms = (time.perf_counter() - start) * 1000
+        self._render_timer.setInterval(max(RENDER_INTERVAL_MS, int(elapsed_ms / RENDER_BUDGET)))

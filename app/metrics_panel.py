@@ -1,22 +1,25 @@
 """Latency and KV-memory plots against context position, one colour per strategy, and the figures beside them.
 
-Steps are buffered in a StepLog and drawn by a timer a few times per second, so tens of thousands of points stay
-fluid: each curve downsamples automatically and clips to the view.
+Steps are buffered in a StepLog and drawn by a timer a few times per second, one plot per tick so that no tick
+holds the event loop for long; each curve downsamples automatically and clips to the view, so tens of thousands
+of points stay fluid.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QColor
-from PySide6.QtWidgets import QLabel, QScrollArea, QSplitter, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QFrame, QSplitter, QTextBrowser, QVBoxLayout, QWidget
 
 from app.figures import figure_rows, figures_html
 from app.model_info import ModelInfo
 from app.step_log import Run, StepLog
 from app.style import PLOT_BACKGROUND, PLOT_FOREGROUND, strategy_color
 
-REFRESH_MS = 250
+REFRESH_MS = 120  # one part per tick: each plot and the figures redraw about three times per second
+PARTS = ("latency", "memory", "figures")
 STYLE_GREY = "#8b93a1"
 
 
@@ -44,7 +47,8 @@ def _make_plot(title: str, y_label: str) -> pg.PlotWidget:
 class MetricsPanel(QWidget):
     """add_step() for every StepEvent; turn_finished() for every DoneEvent; set_model_info() on load."""
 
-    def __init__(self, parent: QWidget | None = None):
+    def __init__(self, parent: QWidget | None = None, companion: QWidget | None = None):
+        """companion: a widget shown beside the figures, under the plots (the block map)."""
         super().__init__(parent)
         self.setObjectName("metricsPanel")
         self.log = StepLog()
@@ -52,9 +56,10 @@ class MetricsPanel(QWidget):
         self.kv = None
         self.last_done = None
         self._items: dict[int, dict[str, pg.PlotDataItem]] = {}
-        self._build()
+        self._build(companion)
         self._timer = QTimer(self, interval=REFRESH_MS)
-        self._timer.timeout.connect(self.refresh)
+        self._tick_count = 0
+        self._timer.timeout.connect(self._tick)
         self._timer.start()
         self._update_figures()
 
@@ -92,10 +97,21 @@ class MetricsPanel(QWidget):
 
     # --- output -------------------------------------------------------------------------------------------------
     def refresh(self) -> None:
-        for run in self.log.dirty_runs():
-            self._draw(run)
-        if self._figures_dirty:
-            self._update_figures()
+        """Draw everything buffered so far (the timer does the same, one part per tick)."""
+        for part in PARTS:
+            self._refresh_part(part)
+
+    def _tick(self) -> None:
+        self._tick_count += 1
+        self._refresh_part(PARTS[self._tick_count % len(PARTS)])
+
+    def _refresh_part(self, part: str) -> None:
+        if part == "figures":
+            if self._figures_dirty:
+                self._update_figures()
+            return
+        for run in self.log.dirty_runs(part):
+            self._draw(run, part)
 
     def export_png(self, path: str) -> bool:
         self.refresh()
@@ -104,12 +120,20 @@ class MetricsPanel(QWidget):
     def export_csv(self, path: str) -> None:
         self.log.write_csv(path)
 
+    def curve(self, strategy: str, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """The points drawn for a strategy ("decode", "prefill", "allocated", "used", "theoretical"), all runs."""
+        items = [self._items[id(run)][name] for run in self.log.runs
+                 if run.strategy == strategy and id(run) in self._items]
+        xs = [item.xData for item in items if item.xData is not None]
+        ys = [item.yData for item in items if item.yData is not None]
+        return (np.concatenate(xs), np.concatenate(ys)) if xs else (np.empty(0), np.empty(0))
+
     @property
     def figures_text(self) -> str:
         return "\n".join(" ".join(row) for row in figure_rows(self.info, self.kv, self.last_done))
 
     # --- internals ------------------------------------------------------------------------------------------------
-    def _build(self) -> None:
+    def _build(self, companion: QWidget | None) -> None:
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         self.splitter = QSplitter(Qt.Orientation.Vertical, self)
@@ -117,19 +141,24 @@ class MetricsPanel(QWidget):
         plots_layout = QVBoxLayout(self.plots)
         plots_layout.setContentsMargins(0, 0, 0, 0)
         self.latency_plot = _make_plot("Per-token latency", "ms per token")
-        self.memory_plot = _make_plot("KV cache memory", "MiB")
+        self.memory_plot = _make_plot("KV cache memory (log scale)", "MiB")
+        self.memory_plot.getPlotItem().setLogMode(y=True)
         plots_layout.addWidget(self.latency_plot)
         plots_layout.addWidget(self.memory_plot)
-        self.figures = QLabel(objectName="figuresText", wordWrap=True, textFormat=Qt.TextFormat.RichText)
-        self.figures.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
-        scroll = QScrollArea(self.splitter, widgetResizable=True, objectName="figures")
-        scroll.setWidget(self.figures)
+        self.bottom = QSplitter(Qt.Orientation.Horizontal, self.splitter)
+        self.figures = QTextBrowser(self.bottom, objectName="figuresText", openLinks=False)
+        self.figures.setFrameShape(QFrame.Shape.NoFrame)
+        self.figures.setMinimumWidth(220)
+        self.bottom.addWidget(self.figures)
+        if companion is not None:
+            self.bottom.addWidget(companion)
         self.splitter.addWidget(self.plots)
-        self.splitter.addWidget(scroll)
-        self.splitter.setStretchFactor(0, 3)
+        self.splitter.addWidget(self.bottom)
+        self.splitter.setStretchFactor(0, 2)
         self.splitter.setStretchFactor(1, 1)
         layout.addWidget(self.splitter)
         self._figures_dirty = False
+        self._figures_html = ""
         self._reset_legends()
 
     def _reset_legends(self) -> None:
@@ -155,9 +184,9 @@ class MetricsPanel(QWidget):
         items = {
             "decode": pg.PlotDataItem(pen=_pen(color), name=name),
             "prefill": pg.PlotDataItem(pen=_pen(color, 6, alpha=170), connect="pairs"),
-            "allocated": pg.PlotDataItem(pen=_pen(color, 2), name=name),
-            "used": pg.PlotDataItem(pen=_pen(color, 1.5, Qt.PenStyle.DashLine)),
-            "theoretical": pg.PlotDataItem(pen=_pen(color, 1.5, Qt.PenStyle.DotLine)),
+            "allocated": pg.PlotDataItem(pen=_pen(color, 2), name=name, connect="finite"),
+            "used": pg.PlotDataItem(pen=_pen(color, 1.5, Qt.PenStyle.DashLine), connect="finite"),
+            "theoretical": pg.PlotDataItem(pen=_pen(color, 1.5, Qt.PenStyle.DotLine), connect="finite"),
         }
         for key, item in items.items():
             if key != "prefill":
@@ -166,15 +195,20 @@ class MetricsPanel(QWidget):
             (self.latency_plot if key in ("decode", "prefill") else self.memory_plot).addItem(item)
         return items
 
-    def _draw(self, run: Run) -> None:
+    def _draw(self, run: Run, plot: str) -> None:
         items = self._items_for(run)
-        items["decode"].setData(run.values("decode_x"), run.values("decode_ms"))
-        items["prefill"].setData(run.values("prefill_x"), run.values("prefill_ms"))
-        x = run.values("mem_x")
-        for name in ("allocated", "used", "theoretical"):
-            items[name].setData(x, run.values(name))
-        run.dirty = False
+        if plot == "latency":
+            items["decode"].setData(run.values("decode_x"), run.values("decode_ms"))
+            items["prefill"].setData(run.values("prefill_x"), run.values("prefill_ms"))
+        else:
+            x = run.values("mem_x")
+            for name in ("allocated", "used", "theoretical"):
+                items[name].setData(x, run.values(name))
+        run.dirty.discard(plot)
 
     def _update_figures(self) -> None:
-        self.figures.setText(figures_html(figure_rows(self.info, self.kv, self.last_done)))
+        html = figures_html(figure_rows(self.info, self.kv, self.last_done))
+        if html != self._figures_html:
+            self._figures_html = html
+            self.figures.setHtml(html)
         self._figures_dirty = False

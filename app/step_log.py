@@ -41,7 +41,7 @@ class Run:
     strategy: str
     index: int  # 0 for the strategy's first run (the one named in the legend)
     last_pos: int = -1
-    dirty: bool = True
+    dirty: set = field(default_factory=lambda: {"latency", "memory"})  # plots that have not drawn the last steps
     columns: dict[str, Column] = field(default_factory=lambda: {name: Column() for name in (
         "decode_x", "decode_ms", "prefill_x", "prefill_ms", "mem_x", "allocated", "used", "theoretical")})
 
@@ -58,11 +58,15 @@ class Run:
             c["decode_x"].append(event.pos)
             c["decode_ms"].append(event.latency_ms)
         c["mem_x"].append(event.pos)
-        c["allocated"].append(event.kv.bytes_allocated / MIB)
-        c["used"].append(event.kv.bytes_used / MIB)
-        c["theoretical"].append(event.kv.bytes_theoretical / MIB)
+        for name in ("allocated", "used", "theoretical"):
+            c[name].append(_mib(getattr(event.kv, f"bytes_{name}")))
         self.last_pos = event.pos
-        self.dirty = True
+        self.dirty = {"latency", "memory"}
+
+
+def _mib(n: int) -> float:
+    """MiB for the log-scale memory plot; nothing held is NaN (a gap), not log(0)."""
+    return n / MIB if n > 0 else float("nan")
 
 
 class StepLog:
@@ -93,8 +97,8 @@ class StepLog:
         self.runs.clear()
         self._open.clear()
 
-    def dirty_runs(self) -> list[Run]:
-        return [run for run in self.runs if run.dirty]
+    def dirty_runs(self, plot: str) -> list[Run]:
+        return [run for run in self.runs if plot in run.dirty]
 
     def write_csv(self, path: str | Path) -> None:
         with open(path, "w", newline="", encoding="utf-8") as f:

@@ -6,6 +6,7 @@ changes, so the caller can show the message and carry on.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -65,10 +66,8 @@ def open_conversation(path: str | Path) -> Conversation:
 
 
 def _remove_quietly(path: str) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.unlink(path)
-    except OSError:
-        pass
 
 
 def _fsync_dir(folder: Path) -> None:

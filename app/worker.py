@@ -48,6 +48,11 @@ class EngineWorker(QObject):
         self._closing = True
         self.stop(upto)
 
+    def release(self) -> None:
+        """After the thread has stopped: give the conversation's cache blocks back to the engine."""
+        if self.engine is not None:
+            self.engine.forget(self.conv)
+
     # --- slots, run on the worker thread ---------------------------------------------------------------------------
     @Slot(object)
     def load(self, model: str | None) -> None:

@@ -44,10 +44,14 @@ class BenchContext:
         return path if path.suffix.lower() == ".gguf" else None
 
     @property
-    def hf_folder(self) -> Path:
-        """A Hugging Face folder with the engine's exact weights (the GGUF's dequantized conversion)."""
+    def hf_folder(self) -> Path | str:
+        """A Hugging Face folder with the engine's exact weights (the GGUF's dequantized conversion), or the model
+        id that --model named (transformers finds it in its local cache, as the engine did)."""
         gguf = self.gguf_path
-        return loader.gguf_cache_folder(gguf) if gguf else Path(self.model_arg).expanduser()
+        if gguf:
+            return loader.gguf_cache_folder(gguf)
+        path = Path(self.model_arg).expanduser()
+        return path if path.exists() else self.model_arg
 
     def hf_model(self):
         """transformers' own Llama on the same weights, dtype and device (loaded once, on first use)."""

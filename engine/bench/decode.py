@@ -54,7 +54,9 @@ def make_peers(ctx: BenchContext, contexts: list[int], steps: int, pool_tokens: 
     runners = {"none": (peers.EnginePeer(e, "none", pool_tokens), none_contexts, NONE_STEPS)}
     for s in CACHED_STRATEGIES:
         runners[s] = (peers.EnginePeer(e, s, pool_tokens), contexts, steps)
-    notes = [f"'none' only at contexts {none_contexts} with {NONE_STEPS} steps: each of its steps reruns the whole "
+    notes = [f"contexts above {e.max_context - steps - 1} are clamped to it: the context limit is {e.max_context} "
+             f"and the {steps} timed steps must fit."] if max(contexts) < max(CONTEXTS) else []
+    notes += [f"'none' only at contexts {none_contexts} with {NONE_STEPS} steps: each of its steps reruns the whole "
              "context (the recompute benchmark measures it in full)."]
     others, more_notes = peers.external_peers(ctx, pool_tokens)
     runners.update({name: (peer, contexts, steps) for name, peer in others.items()})
@@ -116,9 +118,10 @@ def plot(r: dict, path) -> None:
         ax2.plot(xs, list(mult.values()), "o-", label=name, color=report.color(name))
     bound = r["roofline"]["bound_ms"]["paged"]
     ax1.plot([int(c) for c in bound], list(bound.values()), "k--", label="bandwidth bound (paged)")
-    ax1.set(title="decode latency per token", xlabel="context (tokens)", ylabel="ms", xscale="log")
+    ax1.set(title="decode latency per token", xlabel="context (tokens)", ylabel="ms", xscale="log", yscale="log")
     ax2.axhline(2, color="gray", ls=":", label="2x bound")
-    ax2.set(title="latency / bandwidth lower bound", xlabel="context (tokens)", ylabel="x bound", xscale="log")
+    ax2.set(title="latency / bandwidth lower bound", xlabel="context (tokens)", ylabel="x bound", xscale="log",
+            yscale="log")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)

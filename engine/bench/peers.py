@@ -9,6 +9,7 @@ are the forward alone (no sampling), for every peer alike.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import itertools
 
 import torch
@@ -58,6 +59,8 @@ class HFPeer:
     def __init__(self, model, name: str = "transformers", quantized_backend: str | None = None):
         self.model, self.name, self.backend = model, name, quantized_backend
         self.device = next(model.parameters()).device
+        # transformers renamed past_key_values to cache (5.x deprecates the old name)
+        self.cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def new_cache(self):
         from transformers import DynamicCache, QuantizedCache
@@ -70,7 +73,8 @@ class HFPeer:
     def forward(self, ids: list[int], cache, last_only: bool = True) -> torch.Tensor:
         x = torch.tensor([ids], device=self.device)
         extra = {"logits_to_keep": 1} if last_only else {}
-        return self.model(input_ids=x, past_key_values=cache, use_cache=True, **extra).logits  # [1, T, V]
+        extra[self.cache_arg] = cache
+        return self.model(input_ids=x, use_cache=True, **extra).logits  # [1, T, V]
 
     def prefill_ms(self, ids: list[int]) -> float:
         cache = self.new_cache()

@@ -128,7 +128,7 @@ def plot(r: dict, path) -> None:
     fig, (ax,) = report.figure(1, width=7)
     for name, c in comparisons(r).items():
         xs = [CHUNK * (i + 1) for i in range(len(c["kl_by_chunk"]))]
-        ax.plot(xs, c["kl_by_chunk"], label=name, lw=1)
+        ax.plot(xs, [k if k > 0 else float("nan") for k in c["kl_by_chunk"]], label=name, lw=1)
     ax.set(title="KL(full || quantized) per 64-token chunk", xlabel="position in the text (tokens)",
            ylabel="mean KL (nats)", yscale="log")
     ax.grid(alpha=0.3)

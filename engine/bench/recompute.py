@@ -1,26 +1,47 @@
 """recompute: why a KV cache at all. Without one ('none') every new token reruns the whole sequence, so the total
 time to generate n tokens grows as O(n^2); with one it grows as O(n). One greedy generation per strategy to the
 longest length; the cumulative wall-clock time at 10, 100, ... tokens is the total time to generate that many.
+
+'none' to 1,000 tokens would take about 500,000 token-forwards (over ten minutes on two cores), so it generates
+for real up to NONE_MEASURED tokens; beyond, its step latency is measured at NONE_SAMPLES evenly spaced positions
+(the same forward over the whole sequence that generate runs there) and integrated, linearly interpolated.
 """
 
 from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from engine.bench import report
-from engine.bench.common import ENGINE_STRATEGIES, BenchContext, bar, make_cache, ratio, using_cache
+from engine.bench.common import (
+    ENGINE_STRATEGIES,
+    BenchContext,
+    bar,
+    make_cache,
+    random_ids,
+    ratio,
+    timed_ms,
+    using_cache,
+)
 from engine.config import SamplingParams
 from engine.events import StepEvent
 
 LENGTHS = (10, 100, 1000)
 QUICK_LENGTHS = (10, 100, 300)
+NONE_MEASURED, QUICK_NONE_MEASURED = 300, 100
+NONE_SAMPLES = 12
 PROMPT = "Tell me a long story about a lighthouse keeper and the ships she guided home."
 
 
 def run(ctx: BenchContext, quick: bool) -> dict:
     lengths = QUICK_LENGTHS if quick else LENGTHS
     n = max(lengths)
-    curves = {s: generation_curve(ctx, s, n) for s in bar(ENGINE_STRATEGIES, "recompute strategies")}
+    measured = min(n, QUICK_NONE_MEASURED if quick else NONE_MEASURED)
+    curves = {s: generation_curve(ctx, s, measured if s == "none" else n)
+              for s in bar(ENGINE_STRATEGIES, "recompute strategies")}
+    if measured < n:
+        curves["none"] = extend_by_sampling(ctx, curves["none"], n)
     totals = {s: {str(k): c["wall_ms"][k - 1] for k in lengths} for s, c in curves.items()}
     lo, hi = str(min(lengths)), str(max(lengths))
     return {
@@ -34,6 +55,7 @@ def run(ctx: BenchContext, quick: bool) -> dict:
         "total_ms": totals,
         "growth": {s: ratio(t[hi], t[lo]) for s, t in totals.items()},
         "none_over_paged": {k: ratio(totals["none"][k], totals["paged"][k]) for k in totals["paged"]},
+        "none_measured_tokens": measured,
     }
 
 
@@ -58,26 +80,58 @@ def generation_curve(ctx: BenchContext, strategy: str, n: int) -> dict:
     return {"positions": positions, "latency_ms": latency, "wall_ms": wall, "prompt_tokens": positions[0] + 1}
 
 
+def extend_by_sampling(ctx: BenchContext, curve: dict, n: int) -> dict:
+    """Continue a 'none' curve from its last generated token to n tokens: time the step (a forward over the
+    whole sequence) at evenly spaced positions, interpolate between them, and add up."""
+    e, prompt = ctx.engine, curve["prompt_tokens"]
+    first, last = curve["positions"][-1] + 1, prompt + n - 2  # the positions that produce tokens len+1 .. n
+    sampled = sorted({int(p) for p in np.linspace(first, last, NONE_SAMPLES)})
+    ids = random_ids(prompt + n, e.model_config.vocab_size)
+    with using_cache(e, make_cache(e, "none")) as cache:
+        cache.prepare(0, ids)
+        sampled_ms = [timed_ms(lambda p=p: e.step([0], [ids[:p + 1]]), e.synchronize)[1]
+                      for p in bar(sampled, "recompute none (sampled steps)")]
+    positions = list(range(first, last + 1))
+    latency = np.interp(positions, sampled, sampled_ms)
+    wall = curve["wall_ms"][-1] + np.cumsum(latency)
+    return {**curve, "positions": curve["positions"] + positions, "latency_ms": curve["latency_ms"] + latency.tolist(),
+            "wall_ms": curve["wall_ms"] + wall.tolist(), "estimated_after_token": len(curve["wall_ms"]),
+            "sampled_positions": sampled, "sampled_ms": sampled_ms}
+
+
 def summarize(r: dict) -> str:
-    rows = [[s, *[r["total_ms"][s][str(k)] / 1000 for k in r["lengths"]], r["growth"][s]] for s in r["total_ms"]]
+    rows = [[s, *[_cell(r, s, k) for k in r["lengths"]], r["growth"][s]] for s in r["total_ms"]]
     hi, lo = max(r["lengths"]), min(r["lengths"])
     table = report.md_table(["strategy", *[f"{k} tokens (s)" for k in r["lengths"]], f"time({hi}) / time({lo})"],
                             rows)
     ideal = f"O(n) predicts time({hi})/time({lo}) ~ {hi // lo}x; O(n^2) up to {(hi // lo) ** 2:,}x."
     speedups = ", ".join(f"{k} tokens: {report.fmt(v)}x" for k, v in r["none_over_paged"].items())
+    measured = r["none_measured_tokens"]
+    note = "" if measured >= max(r["lengths"]) else (
+        f"'none' generated {measured} tokens for real; values past that (marked ~) add its step latency measured "
+        f"at {NONE_SAMPLES} evenly spaced positions, interpolated (forward time only).")
     return report.section(
         "recompute: no cache (O(n^2)) vs a cache (O(n))",
-        f"Prompt of {r['prompt_tokens']} tokens, greedy. {r['method']}.", table, ideal,
+        f"Prompt of {r['prompt_tokens']} tokens, greedy. {r['method']}.", table, note, ideal,
         f"none / paged total time: {speedups}.",
     )
+
+
+def _cell(r: dict, strategy: str, k: int) -> str:
+    estimated = strategy == "none" and k > r["none_measured_tokens"]
+    return ("~" if estimated else "") + report.fmt(r["total_ms"][strategy][str(k)] / 1000)
 
 
 def plot(r: dict, path) -> None:
     fig, (ax1, ax2) = report.figure(2)
     for s, c in r["curves"].items():
-        ax1.plot(c["positions"][1:], c["latency_ms"][1:], label=s, color=report.color(s), lw=1)
-        tokens = range(1, len(c["wall_ms"]) + 1)
-        ax2.plot(tokens, [w / 1000 for w in c["wall_ms"]], label=s, color=report.color(s))
+        real = c.get("estimated_after_token", len(c["wall_ms"]))
+        ax1.plot(c["positions"][1:real], c["latency_ms"][1:real], label=s, color=report.color(s), lw=1)
+        ax2.plot(range(1, real + 1), [w / 1000 for w in c["wall_ms"][:real]], label=s, color=report.color(s))
+        if real < len(c["wall_ms"]):
+            ax1.plot(c["sampled_positions"], c["sampled_ms"], "o", color=report.color(s), label=f"{s} (sampled)")
+            ax2.plot(range(real, len(c["wall_ms"]) + 1), [w / 1000 for w in c["wall_ms"][real - 1:]], "--",
+                     color=report.color(s), label=f"{s} (integrated)")
     ax1.set(title="per-token decode latency vs position", xlabel="position (tokens)", ylabel="ms / token")
     ax2.set(title="total time to generate n tokens", xlabel="tokens generated", ylabel="seconds",
             xscale="log", yscale="log")

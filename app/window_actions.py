@@ -1,0 +1,89 @@
+"""The window's file, model and settings actions: each asks for a path or a value, then does one thing.
+
+Every failure is shown in the window (the chat's error banner) and changes nothing else.
+"""
+
+from __future__ import annotations
+
+from PySide6.QtWidgets import QFileDialog
+
+from app import storage
+from app.dialogs import SamplingDialog, SystemPromptDialog
+
+CONVERSATION_FILTER = "kvscope conversation (*.json);;All files (*)"
+
+
+class WindowActions:
+    def __init__(self, window):
+        self.window = window
+
+    # --- files ------------------------------------------------------------------------------------------------------
+    def open_file(self, path: str) -> bool:
+        w = self.window
+        try:
+            conv = storage.open_conversation(path)
+        except storage.StorageError as e:
+            w.chat.show_error(str(e))
+            return False
+        w.chat.set_messages([(m.role, m.content) for m in conv.messages])
+        w.chat.clear_error()
+        w.metrics.new_conversation()
+        w.client.open_conversation(conv)
+        w.status.showMessage(f"Opened {path}", 4000)
+        return True
+
+    def save_file(self, path: str) -> bool:
+        try:
+            storage.save_conversation(path, self.window.snapshot)
+        except storage.StorageError as e:
+            self.window.chat.show_error(str(e))
+            return False
+        self.window.status.showMessage(f"Saved {path}", 4000)
+        return True
+
+    def export_png(self, path: str) -> bool:
+        ok = self.window.metrics.export_png(path)
+        if not ok:
+            self.window.chat.show_error(f"Could not write {path}")
+        return ok
+
+    def export_csv(self, path: str) -> bool:
+        try:
+            self.window.metrics.export_csv(path)
+        except OSError as e:
+            self.window.chat.show_error(f"Could not write {path}: {e.strerror or e}")
+            return False
+        return True
+
+    def ask_path(self, action, save: bool, file_filter: str = CONVERSATION_FILTER) -> None:
+        ask = QFileDialog.getSaveFileName if save else QFileDialog.getOpenFileName
+        path, _ = ask(self.window, "Save" if save else "Open", "", file_filter)
+        if path:
+            action(path)
+
+    # --- model ------------------------------------------------------------------------------------------------------
+    def choose_gguf(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self.window, "Choose a GGUF model", "", "GGUF model (*.gguf)")
+        if path:
+            self.window.load_model(path)
+
+    def choose_folder(self) -> None:
+        path = QFileDialog.getExistingDirectory(self.window, "Choose a Hugging Face model folder")
+        if path:
+            self.window.load_model(path)
+
+    # --- settings dialogs ---------------------------------------------------------------------------------------
+    def edit_sampling(self) -> None:
+        settings = self.window.settings
+        dialog = SamplingDialog(settings.sampling, self.window)
+        if dialog.exec():
+            settings.sampling = dialog.params()
+
+    def edit_system_prompt(self) -> None:
+        dialog = SystemPromptDialog(self.window.settings.system_prompt, self.window)
+        if dialog.exec():
+            self.set_system_prompt(dialog.prompt())
+
+    def set_system_prompt(self, prompt: str) -> None:
+        self.window.settings.system_prompt = prompt
+        self.window.client.set_system_prompt(prompt or None)

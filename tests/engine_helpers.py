@@ -1,0 +1,102 @@
+"""Small helpers shared by the engine tests: greedy parameters, running a turn, driving a cache by hand."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import SamplingParams
+from engine.events import DoneEvent, Event, StepEvent, TrimEvent
+from engine.kv.base import KVCache
+
+
+def greedy(max_new_tokens: int, *, run_to_length: bool = True) -> SamplingParams:
+    """Deterministic decoding; run_to_length disables every stop token so exactly max_new_tokens come out."""
+    stop = (-1,) if run_to_length else ()
+    return SamplingParams(temperature=0, repetition_penalty=1.0, max_new_tokens=max_new_tokens,
+                          stop_token_ids=stop)
+
+
+@dataclass
+class Turn:
+    """Everything one call of Engine.generate yielded, sorted by kind."""
+
+    events: list[Event] = field(default_factory=list)
+
+    @property
+    def steps(self) -> list[StepEvent]:
+        return [e for e in self.events if isinstance(e, StepEvent)]
+
+    @property
+    def prefill(self) -> list[StepEvent]:
+        return [e for e in self.steps if e.phase == "prefill"]
+
+    @property
+    def decode(self) -> list[StepEvent]:
+        return [e for e in self.steps if e.phase == "decode"]
+
+    @property
+    def trims(self) -> list[TrimEvent]:
+        return [e for e in self.events if isinstance(e, TrimEvent)]
+
+    @property
+    def done(self) -> DoneEvent:
+        (done,) = [e for e in self.events if isinstance(e, DoneEvent)]
+        assert self.events[-1] is done, "the DoneEvent comes last"
+        return done
+
+    @property
+    def tokens(self) -> list[int]:
+        """The tokens the steps produced (the last one may be a stop token that ended the reply)."""
+        return [e.token_id for e in self.steps if e.token_id is not None]
+
+
+def run_turn(engine, conv, message: str | None, params: SamplingParams) -> Turn:
+    return Turn(list(engine.generate(conv, message, params)))
+
+
+def forward_through_cache(model, cache: KVCache, ids: list[int], prefill: int, seq_id: int = 1) -> torch.Tensor:
+    """Logits [len(ids), V] of every position: the first `prefill` tokens run as one step, then each later
+    token runs alone (or, for a cache that keeps nothing, 'none', together with the whole sequence before it).
+    """
+    cache.prepare(seq_id, ids)
+    rows = [_step(model, cache, seq_id, ids[:prefill], all_logits=True)[0]]  # [prefill, V]
+    for t in range(prefill, len(ids)):
+        feed = ids[t:t + 1] if cache.keeps_kv else ids[:t + 1]
+        rows.append(_step(model, cache, seq_id, feed, all_logits=False))  # [1, V]
+    return torch.cat(rows)
+
+
+def _step(model, cache: KVCache, seq_id: int, tokens: list[int], all_logits: bool) -> torch.Tensor:
+    view = cache.begin_step([seq_id], [tokens])
+    logits = model(torch.tensor([tokens]), view, all_logits=all_logits)
+    cache.commit_step(view)
+    return logits
+
+
+def held_storage_bytes(obj: object) -> int:
+    """Bytes of every distinct tensor storage reachable from obj's attributes (dicts, lists, dataclasses)."""
+    seen: dict[int, int] = {}
+    _collect_storages(obj, seen, set())
+    return sum(seen.values())
+
+
+def _collect_storages(obj: object, seen: dict[int, int], visited: set[int]) -> None:
+    if id(obj) in visited:
+        return
+    visited.add(id(obj))
+    if isinstance(obj, torch.nn.Module):
+        return  # a strategy's storage never includes model weights
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            _collect_storages(value, seen, visited)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            _collect_storages(value, seen, visited)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        for value in vars(obj).values():
+            _collect_storages(value, seen, visited)

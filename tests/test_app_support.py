@@ -1,0 +1,72 @@
+"""Helpers shared by the app tests (no tests here): temporary settings, a window on a real engine, turns."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QSettings
+
+from app.main_window import MainWindow
+from app.settings import AppSettings
+from engine.config import SamplingParams
+
+NEVER_STOP = (10**9,)  # a token id no model emits: replies run to max_new_tokens
+LONG_SYSTEM_PROMPT = (
+    "You are kvscope's test assistant. You answer briefly and precisely. You never invent facts, you show code "
+    "in fenced blocks, and you keep every answer under one hundred words unless asked for more detail."
+)
+TURN_TIMEOUT_MS = 120_000
+
+
+def make_settings(tmp_path) -> AppSettings:
+    """Settings in an ini file under tmp_path: never the user's real preferences."""
+    settings = AppSettings(QSettings(str(tmp_path / "kvscope-test.ini"), QSettings.Format.IniFormat))
+    settings.system_prompt = LONG_SYSTEM_PROMPT
+    return settings
+
+
+def greedy(max_new_tokens: int = 12) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=NEVER_STOP)
+
+
+def open_window(qtbot, settings: AppSettings, engine, max_new_tokens: int = 12) -> MainWindow:
+    window = MainWindow(settings=settings, engine=engine)
+    qtbot.addWidget(window)
+    window.sampling_override = greedy(max_new_tokens)
+    window.show()
+    qtbot.waitUntil(lambda: window.info is not None and bool(window.snapshot), timeout=TURN_TIMEOUT_MS)
+    return window
+
+
+class Recorder:
+    """Collects what the worker reports during one turn."""
+
+    def __init__(self, window):
+        self.signals = window.client.signals
+        self.steps, self.tokens, self.done, self.errors = [], [], [], []
+        self._pairs = ((self.signals.step, self.steps.append), (self.signals.token, self.tokens.append),
+                       (self.signals.finished, self.done.append), (self.signals.error, self.errors.append))
+        for signal, slot in self._pairs:
+            signal.connect(slot)
+
+    def close(self) -> None:
+        for signal, slot in self._pairs:
+            signal.disconnect(slot)
+
+
+def run_turn(qtbot, window, start, timeout: int = TURN_TIMEOUT_MS) -> Recorder:
+    """Call start() (send, regenerate, edit...) and wait until the worker has reported the conversation after it."""
+    recorder = Recorder(window)
+    try:
+        with qtbot.waitSignal(window.client.signals.conversation, timeout=timeout):
+            start()
+    finally:
+        recorder.close()
+    qtbot.waitUntil(lambda: not window.generating, timeout=timeout)
+    return recorder
+
+
+def send(qtbot, window, text: str, timeout: int = TURN_TIMEOUT_MS) -> Recorder:
+    return run_turn(qtbot, window, lambda: window.send(text), timeout)
+
+
+def worker_messages(window) -> list[tuple[str, str]]:
+    return [(m["role"], m["content"]) for m in window.snapshot["messages"]]

@@ -1,0 +1,120 @@
+"""The benchmark suite: a --quick smoke run of the fast benchmarks (files and keys, no timing assertions), and
+unit tests of the workload generator, the roofline byte count and the target verdicts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.bench import roofline, targets
+from engine.bench.suite import run_bench
+from engine.bench.workload import WorkloadShape, describe, make_workload
+from engine.config import ModelConfig
+from engine.model import LlamaModel
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+             head_dim=16)
+
+
+@pytest.mark.default_model
+def test_quick_bench_of_memory_and_concurrency_writes_every_file(tmp_path):
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "main.py", "bench", "memory", "concurrency", "--quick", "--out", str(out)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    for name in ("results.json", "summary.md", "memory.png", "concurrency.png"):
+        assert (out / name).stat().st_size > 0, name
+    results = json.loads((out / "results.json").read_text())
+    assert {"cpu", "cores", "torch", "device", "model_dtype", "cache_dtypes"} <= set(results["machine"])
+    memory, concurrency = results["benchmarks"]["memory"], results["benchmarks"]["concurrency"]
+    assert {"rows", "grouped_query", "seven_b", "formula_by_dtype"} <= set(memory)
+    assert memory["seven_b"]["mib_per_token"] == 0.5 and memory["seven_b"]["gib_at_4096"] == 2.0
+    names = {c["name"] for c in concurrency["configs"]}
+    assert {"contiguous (full context)", "contiguous (prompt + max new)", "paged bs=16", "paged-int8 bs=16"} <= names
+    assert {"unsorted", "bucketed"} <= set(concurrency["batched"]["paged bs=16"])
+    assert any(t["name"].startswith("paged bs=16 utilisation") for t in results["targets"])
+    summary = (out / "summary.md").read_text()
+    assert "## Targets" in summary and "## memory" in summary and "## concurrency" in summary
+
+
+def test_an_unknown_benchmark_name_is_refused_before_loading_anything(tmp_path, capsys):
+    args = Namespace(names=["decode", "nosuch"], out=str(tmp_path / "x"), quick=True, model=None)
+    assert run_bench(args) == 2
+    assert "nosuch" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+# ---- the workload
+def test_the_workload_is_seeded():
+    assert make_workload(50, seed=3) == make_workload(50, seed=3)
+    assert make_workload(50, seed=3) != make_workload(50, seed=4)
+
+
+def test_the_workload_is_long_tailed_and_within_limits():
+    shape = WorkloadShape()
+    requests = make_workload(5000, seed=0, shape=shape)
+    stats = describe(requests)
+    for kind in ("prompt", "output"):
+        s = stats[kind]
+        assert s["mean"] > 1.2 * s["median"]  # right-skewed
+        assert s["p99"] > 3 * s["median"]  # a long tail
+    assert all(4 <= r.prompt_tokens <= shape.max_prompt for r in requests)
+    assert all(1 <= r.output_tokens <= shape.max_new_tokens for r in requests)
+    assert all(r.total_tokens <= shape.context_limit for r in requests)
+    prompts = np.array([r.prompt_tokens for r in requests])
+    assert abs(np.median(prompts) - shape.prompt_median) < 0.1 * shape.prompt_median
+
+
+# ---- the roofline
+def test_a_decode_step_reads_every_weight_once_with_a_tied_head():
+    config = ModelConfig(**SMALL, tie_word_embeddings=True)
+    model = LlamaModel.random(config)
+    assert roofline.weight_bytes(model) == config.num_params * 4
+
+
+def test_an_untied_embedding_table_counts_one_row():
+    config = ModelConfig(**SMALL, tie_word_embeddings=False)
+    model = LlamaModel.random(config)
+    v, h = config.vocab_size, config.hidden_size
+    assert roofline.weight_bytes(model) == (config.num_params - (v - 1) * h) * 4
+
+
+def test_transformers_and_the_engine_count_the_same_weight_bytes():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = ModelConfig(**SMALL, tie_word_embeddings=False)
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      tie_word_embeddings=False))
+    assert roofline.weight_bytes(hf) == roofline.weight_bytes(LlamaModel.random(config))
+
+
+def test_step_bytes_add_the_kv_of_the_context():
+    config = ModelConfig(**SMALL)
+    per_token = config.kv_bytes_per_token(4)
+    assert per_token == 2 * 4 * 2 * 2 * 16
+    assert roofline.step_bytes(1000, per_token, 512) == 1000 + 512 * per_token
+    assert roofline.lower_bound_ms(10**9, 10.0) == pytest.approx(100.0)
+
+
+# ---- the verdicts
+def test_targets_pass_and_miss_from_the_ratios():
+    decode = {"latency_ms": {"paged": {"16": 10.0, "512": 10.0, "2048": 11.0, "4096": 25.0},
+                             "contiguous": {"2048": 10.0}, "paged-int8": {"2048": 13.0},
+                             "transformers": {"512": 30.0, "2048": 22.0}},
+              "roofline": {"multiple": {"paged": {"512": 1.5}}, "bound_ms": {"paged": {"512": 6.7}}}}
+    verdicts = {t.name: t for t in targets.evaluate({"decode": decode})}
+    assert verdicts["paged decode vs transformers at 512 (transformers / paged)"].passed
+    missed = verdicts["paged decode vs transformers at 2048 (transformers / paged)"]
+    assert not missed.passed and "missed by" in missed.margin
+    assert verdicts["paged / contiguous latency at 2048"].passed  # 1.1 <= 1.15
+    assert verdicts["paged-int8 / paged latency at 2048"].passed  # 1.18 <= 1.3
+    assert not verdicts["paged latency growth 16 -> 4096"].passed  # 2.5x
+    assert verdicts["paged decode / bandwidth lower bound at 512"].passed
