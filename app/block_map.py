@@ -10,7 +10,7 @@ import math
 
 from PySide6.QtCore import QRect, Qt
 from PySide6.QtGui import QColor, QImage, QPainter
-from PySide6.QtWidgets import QHBoxLayout, QLabel, QStackedWidget, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QGridLayout, QLabel, QStackedWidget, QVBoxLayout, QWidget
 
 from app.style import BLOCK_COLORS, BLOCK_LABELS, PLOT_BACKGROUND
 
@@ -116,10 +116,12 @@ class BlockMap(QWidget):
     def showing_grid(self) -> bool:
         return self.stack.currentWidget() is self.grid
 
-    def _legend(self) -> QHBoxLayout:
-        row = QHBoxLayout()
-        row.setSpacing(10)
-        for color, label in zip(BLOCK_COLORS, BLOCK_LABELS):
-            row.addWidget(QLabel(f'<span style="color:{color}; font-size:14pt;">■</span> {label}', self))
-        row.addStretch(1)
-        return row
+    def _legend(self) -> QGridLayout:
+        grid = QGridLayout()
+        grid.setHorizontalSpacing(12)
+        grid.setVerticalSpacing(2)
+        for i, (color, label) in enumerate(zip(BLOCK_COLORS, BLOCK_LABELS)):
+            swatch = QLabel(f'<span style="color:{color}; font-size:13pt;">■</span> {label}', self)
+            grid.addWidget(swatch, i // 2, i % 2)
+        grid.setColumnStretch(2, 1)
+        return grid

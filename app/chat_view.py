@@ -60,6 +60,7 @@ class ChatView(QWidget):
         super().__init__(parent)
         self.messages: list[MessageWidget] = []
         self._generating = False
+        self.setMinimumWidth(420)
         self._build()
         self._refresh_actions()
 

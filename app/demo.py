@@ -8,7 +8,8 @@ import sys
 from PySide6.QtCore import QEventLoop, QObject, QTimer
 
 DEMO_TIMEOUT_MS = 30 * 60 * 1000
-SETTLE_MS = 400  # let the plots' timer draw the last points before the screenshot
+SETTLE_MS = 400
+DEMO_SIZE = (1440, 900)  # let the plots' timer draw the last points before the screenshot
 
 
 class DemoRunner(QObject):
@@ -17,23 +18,22 @@ class DemoRunner(QObject):
         self.window, self.prompts, self.screenshot = window, list(prompts), screenshot
         self.loop = QEventLoop()
         signals = window.client.signals
-        signals.loaded.connect(self._on_loaded)
         signals.finished.connect(self._on_finished)
         signals.error.connect(self._on_error)
-        self._started = False
+        self._wait_for_model = QTimer(self, interval=100)
+        self._wait_for_model.timeout.connect(self._start_when_loaded)
 
     def run(self) -> int:
         QTimer.singleShot(DEMO_TIMEOUT_MS, self, lambda: self._fail("the demo did not finish in time"))
-        if self.window.info is not None:
-            QTimer.singleShot(0, self, self._next)
+        self._wait_for_model.start()
         return self.loop.exec()
 
-    def _on_loaded(self, info) -> None:
-        if not self._started:
+    def _start_when_loaded(self) -> None:
+        if self.window.info is not None and not self.window.loading:
+            self._wait_for_model.stop()
             self._next()
 
     def _next(self) -> None:
-        self._started = True
         if self.prompts:
             self.window.send(self.prompts.pop(0))
         else:
@@ -63,6 +63,8 @@ class DemoRunner(QObject):
 
 def run_demo(window, prompts: list[str], screenshot: str | None = None) -> int:
     """Drive a shown MainWindow through the prompts; returns the exit code (0 when every reply arrived)."""
+    window.resize(*DEMO_SIZE)  # the same picture whatever size the window was saved at
+    window.splitter.setSizes([DEMO_SIZE[0] - 660, 660])
     code = DemoRunner(window, prompts, screenshot).run()
     window.close()
     return code

@@ -31,7 +31,8 @@ class EngineClient(QObject):
         self.thread.setObjectName("EngineWorker")
         self.worker.moveToThread(self.thread)
         self._connect()
-        self.thread.start()
+        self.thread.started.connect(self.worker.lower_priority)
+        self.thread.start(QThread.Priority.LowPriority)
 
     def _connect(self) -> None:
         w = self.worker

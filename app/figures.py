@@ -22,13 +22,12 @@ def figure_rows(info: ModelInfo | None, kv, last_done=None) -> list[tuple[str, s
 
 
 def figures_html(rows: list[tuple[str, str, str]]) -> str:
-    cells = "".join(
-        f'<tr><td style="color:{TEXT_MUTED}; padding-right:10px;">{escape(title)}</td>'
-        f'<td><b>{escape(value)}</b><br><span style="color:{TEXT_MUTED}; font-size:small;">{escape(detail)}'
-        f"</span></td></tr>"
+    """Each figure as a muted title, a bold value and a small detail line: readable in a narrow column."""
+    return "".join(
+        f'<p style="margin:0 0 8px 0;"><span style="color:{TEXT_MUTED}; font-size:small;">{escape(title)}</span>'
+        f'<br><b>{escape(value)}</b><br><span style="color:{TEXT_MUTED}; font-size:small;">{escape(detail)}</span></p>'
         for title, value, detail in rows
     )
-    return f'<table cellspacing="0" cellpadding="3">{cells}</table>'
 
 
 def strategy_badge(strategy: str) -> str:

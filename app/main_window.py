@@ -261,6 +261,7 @@ class MainWindow(QMainWindow):
         self.settings.save_window_state(self.saveGeometry(), self.splitter.saveState())
         self.settings.sync()
         self._refresh_timer.stop()
+        self.hide()  # gone at once, even while the worker finishes its current step
         self.client.shutdown()
         super().closeEvent(event)
 

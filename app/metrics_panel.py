@@ -7,6 +7,8 @@ of points stay fluid.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer
@@ -29,8 +31,22 @@ def _pen(color: str, width: float = 1.5, style=Qt.PenStyle.SolidLine, alpha: int
     return pg.mkPen(qcolor, width=width, style=style)
 
 
-def _make_plot(title: str, y_label: str) -> pg.PlotWidget:
-    plot = pg.PlotWidget(background=PLOT_BACKGROUND)
+class LogAxis(pg.AxisItem):
+    """A log-scale axis labelled at decades, and at 2 and 5 when the range is short: labels never crowd."""
+
+    def logTickValues(self, minVal, maxVal, size, stdTicks):  # noqa: N802, N803 (pyqtgraph override)
+        decades = range(math.floor(minVal), math.ceil(maxVal) + 1)
+
+        def at(multipliers):
+            return [v for d in decades for m in multipliers if minVal <= (v := d + math.log10(m)) <= maxVal]
+
+        labelled, minor = ((2, 5), (3, 4, 6, 7, 8, 9)) if len(decades) <= 3 else ((), (2, 3, 4, 5, 6, 7, 8, 9))
+        return [(1.0, at((1,))), (None, at(labelled)), (None, at(minor))]
+
+
+def _make_plot(title: str, y_label: str, log_y: bool = False) -> pg.PlotWidget:
+    axes = {"left": LogAxis("left")} if log_y else None
+    plot = pg.PlotWidget(background=PLOT_BACKGROUND, axisItems=axes)
     item = plot.getPlotItem()
     item.setTitle(title, color=PLOT_FOREGROUND, size="10pt")
     item.setLabel("bottom", "context position (tokens)", color=PLOT_FOREGROUND)
@@ -39,7 +55,7 @@ def _make_plot(title: str, y_label: str) -> pg.PlotWidget:
     for name in ("left", "bottom"):
         item.getAxis(name).enableAutoSIPrefix(False)
         item.getAxis(name).setTextPen(PLOT_FOREGROUND)
-    item.addLegend(offset=(-10, 10), labelTextColor=PLOT_FOREGROUND, brush=QColor(27, 29, 35, 200))
+    item.addLegend(offset=(10, 5), labelTextColor=PLOT_FOREGROUND, brush=QColor(27, 29, 35, 170), colCount=2)
     plot.setMinimumHeight(160)
     return plot
 
@@ -121,12 +137,15 @@ class MetricsPanel(QWidget):
         self.log.write_csv(path)
 
     def curve(self, strategy: str, name: str) -> tuple[np.ndarray, np.ndarray]:
-        """The points drawn for a strategy ("decode", "prefill", "allocated", "used", "theoretical"), all runs."""
+        """The finite points drawn for a strategy ("decode", "prefill", "allocated", "used", "theoretical")."""
         items = [self._items[id(run)][name] for run in self.log.runs
                  if run.strategy == strategy and id(run) in self._items]
         xs = [item.xData for item in items if item.xData is not None]
-        ys = [item.yData for item in items if item.yData is not None]
-        return (np.concatenate(xs), np.concatenate(ys)) if xs else (np.empty(0), np.empty(0))
+        if not xs:
+            return np.empty(0), np.empty(0)
+        x, y = np.concatenate(xs), np.concatenate([item.yData for item in items if item.yData is not None])
+        finite = np.isfinite(y)  # line breaks and empty memory are NaN
+        return x[finite], y[finite]
 
     @property
     def figures_text(self) -> str:
@@ -141,8 +160,9 @@ class MetricsPanel(QWidget):
         plots_layout = QVBoxLayout(self.plots)
         plots_layout.setContentsMargins(0, 0, 0, 0)
         self.latency_plot = _make_plot("Per-token latency", "ms per token")
-        self.memory_plot = _make_plot("KV cache memory (log scale)", "MiB")
+        self.memory_plot = _make_plot("KV cache memory (log scale)", "MiB", log_y=True)
         self.memory_plot.getPlotItem().setLogMode(y=True)
+        self.memory_plot.getPlotItem().getAxis("left").setStyle(maxTextLevel=1)  # no labels on minor ticks
         plots_layout.addWidget(self.latency_plot)
         plots_layout.addWidget(self.memory_plot)
         self.bottom = QSplitter(Qt.Orientation.Horizontal, self.splitter)
@@ -156,6 +176,11 @@ class MetricsPanel(QWidget):
         self.splitter.addWidget(self.bottom)
         self.splitter.setStretchFactor(0, 2)
         self.splitter.setStretchFactor(1, 1)
+        self.splitter.setSizes([560, 300])
+        self.bottom.setStretchFactor(0, 1)
+        self.bottom.setStretchFactor(1, 1)
+        self.bottom.setSizes([330, 330])
+        self.setMinimumWidth(440)
         layout.addWidget(self.splitter)
         self._figures_dirty = False
         self._figures_html = ""
@@ -182,7 +207,7 @@ class MetricsPanel(QWidget):
         color = strategy_color(run.strategy)
         name = run.strategy if run.index == 0 else None
         items = {
-            "decode": pg.PlotDataItem(pen=_pen(color), name=name),
+            "decode": pg.PlotDataItem(pen=_pen(color), name=name, connect="finite"),
             "prefill": pg.PlotDataItem(pen=_pen(color, 6, alpha=170), connect="pairs"),
             "allocated": pg.PlotDataItem(pen=_pen(color, 2), name=name, connect="finite"),
             "used": pg.PlotDataItem(pen=_pen(color, 1.5, Qt.PenStyle.DashLine), connect="finite"),

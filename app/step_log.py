@@ -51,6 +51,9 @@ class Run:
     def add(self, event) -> None:
         c = self.columns
         if event.phase == "prefill":
+            if c["decode_x"].size:  # break the decode line: this turn's decoding starts after the prefill
+                c["decode_x"].append(c["decode_x"].values[-1] + 0.5)
+                c["decode_ms"].append(float("nan"))
             for x in (event.pos - event.n_tokens + 0.5, event.pos + 0.5):  # one bar across the tokens it ran
                 c["prefill_x"].append(x)
                 c["prefill_ms"].append(event.per_token_ms)

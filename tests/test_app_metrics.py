@@ -153,3 +153,13 @@ def test_tens_of_thousands_of_points_stay_fluid(panel):
     panel.refresh()
     panel.grab()
     assert time.perf_counter() - start < 2.0  # one more point redraws a downsampled curve, not 40k segments
+
+
+def test_the_decode_line_breaks_at_each_new_turns_prefill(panel):
+    for event in turn(0, 30, 10) + turn(41, 12, 10):
+        panel.add_step(event)
+    panel.refresh()
+
+    run = panel.log.runs[0]
+    y = run.values("decode_ms")
+    assert len(panel.log.runs) == 1 and len(y) == 21 and sum(v != v for v in y) == 1  # one NaN: one gap

@@ -220,15 +220,16 @@ def summarize(r: dict) -> str:
                              "utilisation", "budget holding live tokens"], rows)
     b_rows = [[name, b["batch"], mode, m["forwards_per_round"], report.pct(m["padding_waste"]), m["round_ms"],
                m["tokens_per_s"]] for name, b in r["batched"].items() for mode, m in
-              (("one batch", b["unsorted"]), (f"{r['num_buckets']} length buckets", b["bucketed"]))]
+              (("one batch", b["unsorted"]), ("sorted into length buckets", b["bucketed"]))]
     b_table = report.md_table(["admitted set", "sequences", "grouping", "forwards / step", "padding waste",
                                "step (ms)", "tokens/s"], b_rows)
     w, s = r["workload"], r["shape"]
     return report.section(
         "concurrency: sequences in a fixed KV budget",
         f"Budget {r['budget_bytes'] / 2**20:,.0f} MiB (= {r['budget_tokens_at_model_dtype']:,} tokens at the "
-        f"model's dtype). Workload: {r['num_requests']} seeded log-normal requests (seed {r['seed']}), context "
-        f"limit {s['context_limit']}, max new tokens {s['max_new_tokens']}; prompt mean "
+        f"model's dtype). Workload: {r['num_requests']} seeded log-normal requests (seed {r['seed']}), a serving "
+        f"context limit of {s['context_limit']} (what 'full context' reserves), max new tokens "
+        f"{s['max_new_tokens']}; prompt mean "
         f"{w['prompt']['mean']:.0f} / median {w['prompt']['median']:.0f} / p99 {w['prompt']['p99']:.0f}, reply "
         f"mean {w['output']['mean']:.0f} / median {w['output']['median']:.0f} / p99 {w['output']['p99']:.0f} "
         "tokens. Utilisation = live tokens / tokens the memory holding them could hold.",

@@ -17,17 +17,21 @@ NONE_CONTEXTS, NONE_STEPS = (16, 512), 6  # 'none' reruns the whole context per 
 METHOD = (
     "Random token ids are prefilled (chunks of 1,024) up to each context, then STEPS single-token forwards are "
     "timed one by one and the median is reported; contexts are visited in ascending order on one sequence. "
-    "The time is the forward alone (engine.step; for transformers model(input_ids, past_key_values=cache) with "
-    "its DynamicCache, which is what its generate loop runs per token, minus sampling and stopping checks), "
-    "so the peer pays no generate-loop overhead."
+    "The time is the forward alone (engine.step; for transformers model(input_ids, cache=...), formerly "
+    "past_key_values, with its DynamicCache, which is what its generate loop runs per token, minus sampling "
+    "and stopping checks), so the peer pays no generate-loop overhead."
 )
 
 
 def run(ctx: BenchContext, quick: bool) -> dict:
     steps = QUICK_STEPS if quick else STEPS
-    contexts = clamp_contexts(QUICK_CONTEXTS if quick else CONTEXTS, ctx.engine.max_context - steps - 1)
+    requested, limit = QUICK_CONTEXTS if quick else CONTEXTS, ctx.engine.max_context - steps - 1
+    contexts = clamp_contexts(requested, limit)
     ids = random_ids(max(contexts) + steps + 1, ctx.engine.model_config.vocab_size)
     runners, notes = make_peers(ctx, contexts, steps, max(contexts) + steps + 8)
+    if max(requested) > limit:
+        notes.insert(0, f"context {max(requested)} is measured at {limit}: the model's context limit is "
+                        f"{ctx.engine.max_context} and the {steps} timed steps must fit in it.")
     samples = {}
     for name, (peer, its_contexts, its_steps) in bar(list(runners.items()), "decode peers"):
         samples[name] = {str(c): ms for c, ms in peer.decode_ms(ids, its_contexts, its_steps).items()}
@@ -54,9 +58,7 @@ def make_peers(ctx: BenchContext, contexts: list[int], steps: int, pool_tokens: 
     runners = {"none": (peers.EnginePeer(e, "none", pool_tokens), none_contexts, NONE_STEPS)}
     for s in CACHED_STRATEGIES:
         runners[s] = (peers.EnginePeer(e, s, pool_tokens), contexts, steps)
-    notes = [f"contexts above {e.max_context - steps - 1} are clamped to it: the context limit is {e.max_context} "
-             f"and the {steps} timed steps must fit."] if max(contexts) < max(CONTEXTS) else []
-    notes += [f"'none' only at contexts {none_contexts} with {NONE_STEPS} steps: each of its steps reruns the whole "
+    notes = [f"'none' only at contexts {none_contexts} with {NONE_STEPS} steps: each of its steps reruns the whole "
              "context (the recompute benchmark measures it in full)."]
     others, more_notes = peers.external_peers(ctx, pool_tokens)
     runners.update({name: (peer, contexts, steps) for name, peer in others.items()})

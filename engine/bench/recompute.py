@@ -45,7 +45,7 @@ def run(ctx: BenchContext, quick: bool) -> dict:
     totals = {s: {str(k): c["wall_ms"][k - 1] for k in lengths} for s, c in curves.items()}
     lo, hi = str(min(lengths)), str(max(lengths))
     return {
-        "method": "one greedy generation per strategy (temperature 0, stop token disabled); total = wall clock "
+        "method": "One greedy generation per strategy (temperature 0, stop token disabled); total = wall clock "
                   "from the call to generate until the n-th token's event; per-token latency = the step's "
                   "forward + sampling as the engine reports it (StepEvent.latency_ms)",
         "prompt": PROMPT,
@@ -112,7 +112,7 @@ def summarize(r: dict) -> str:
         f"at {NONE_SAMPLES} evenly spaced positions, interpolated (forward time only).")
     return report.section(
         "recompute: no cache (O(n^2)) vs a cache (O(n))",
-        f"Prompt of {r['prompt_tokens']} tokens, greedy. {r['method']}.", table, note, ideal,
+        f"Prompt of {r['prompt_tokens']} tokens. {r['method']}.", table, note, ideal,
         f"none / paged total time: {speedups}.",
     )
 
