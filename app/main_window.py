@@ -25,6 +25,7 @@ from app.dialogs import about_html
 from app.engine_client import EngineClient
 from app.menus import Menus
 from app.metrics_panel import MetricsPanel
+from app.pyside_compat import install_refcount_guard
 from app.settings import AppSettings
 from app.status_bar import StatusBar
 from app.style import load_stylesheet
@@ -37,6 +38,7 @@ class MainWindow(QMainWindow):
     def __init__(self, settings: AppSettings | None = None, engine=None, model: str | None = None,
                  cache: str | None = None, block_size: int | None = None):
         super().__init__()
+        install_refcount_guard()
         self.settings = settings or AppSettings()
         self.info = None
         self.generating = False
@@ -98,8 +100,8 @@ class MainWindow(QMainWindow):
         m.export_png.triggered.connect(lambda: a.ask_path(a.export_png, True, "PNG image (*.png)"))
         m.export_csv.triggered.connect(lambda: a.ask_path(a.export_csv, True, "CSV (*.csv)"))
         m.quit.triggered.connect(self.close)
-        m.strategy_group.triggered.connect(lambda a: self.set_cache(a.data(), self.settings.block_size))
-        m.block_size_group.triggered.connect(lambda a: self.set_cache(self.settings.cache_strategy, a.data()))
+        m.strategy_group.triggered.connect(lambda _action: self.set_cache(*m.chosen_cache()))
+        m.block_size_group.triggered.connect(lambda _action: self.set_cache(*m.chosen_cache()))
         m.sampling.triggered.connect(a.edit_sampling)
         m.system_prompt.triggered.connect(a.edit_system_prompt)
         m.model_gguf.triggered.connect(a.choose_gguf)
@@ -276,6 +278,7 @@ def _footer(done) -> str:
 
 
 def run_gui(args) -> int:
+    install_refcount_guard()
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setOrganizationName("kvscope")
     app.setApplicationName("kvscope")

@@ -84,6 +84,10 @@ class Menus:
         for action in self.block_sizes.values():
             action.setEnabled(strategy.startswith("paged"))
 
+    def chosen_cache(self) -> tuple[str, int]:
+        """The strategy and block size checked in the menus."""
+        return self.strategy_group.checkedAction().data(), self.block_size_group.checkedAction().data()
+
     def set_busy(self, busy: bool) -> None:
         """While a reply streams, actions that replace the conversation or the model wait."""
         for action in (self.new_chat, self.open, self.model_gguf, self.model_folder, self.model_default):

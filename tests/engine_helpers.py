@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -9,6 +11,18 @@ import torch
 from engine.config import SamplingParams
 from engine.events import DoneEvent, Event, StepEvent, TrimEvent
 from engine.kv.base import KVCache
+
+
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Run torch on one intra-op thread: on a shared 2-core machine, two spinning OpenMP threads competing
+    with other processes make each step several times slower (measured 4-5x), one thread never stalls."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def greedy(max_new_tokens: int, *, run_to_length: bool = True) -> SamplingParams:

@@ -75,7 +75,7 @@ def test_a_failed_generation_shows_an_error_and_keeps_the_conversation(qtbot, wi
     before = window.chat.message_texts()
     too_long = "word " * 1500  # more than the tiny model's 1,024-token context
 
-    turn = send(qtbot, window, too_long)
+    turn = send(qtbot, window, too_long, expect_error=True)
 
     assert turn.errors and "Generation failed" in window.chat.error_text
     assert window.chat.message_texts() == before == worker_messages(window)

@@ -52,20 +52,22 @@ class Recorder:
             signal.disconnect(slot)
 
 
-def run_turn(qtbot, window, start, timeout: int = TURN_TIMEOUT_MS) -> Recorder:
+def run_turn(qtbot, window, start, timeout: int = TURN_TIMEOUT_MS, expect_error: bool = False) -> Recorder:
     """Call start() (send, regenerate, edit...) and wait until the worker has reported the conversation after it."""
     recorder = Recorder(window)
     try:
         with qtbot.waitSignal(window.client.signals.conversation, timeout=timeout):
             start()
+        qtbot.waitUntil(lambda: not window.generating, timeout=timeout)
     finally:
         recorder.close()
-    qtbot.waitUntil(lambda: not window.generating, timeout=timeout)
+    assert expect_error or not recorder.errors, f"the worker reported: {recorder.errors}"
+    assert expect_error or len(recorder.done) == 1
     return recorder
 
 
-def send(qtbot, window, text: str, timeout: int = TURN_TIMEOUT_MS) -> Recorder:
-    return run_turn(qtbot, window, lambda: window.send(text), timeout)
+def send(qtbot, window, text: str, timeout: int = TURN_TIMEOUT_MS, expect_error: bool = False) -> Recorder:
+    return run_turn(qtbot, window, lambda: window.send(text), timeout, expect_error)
 
 
 def worker_messages(window) -> list[tuple[str, str]]:

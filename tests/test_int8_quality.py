@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pydoc_data.topics
+
 import pytest
 import torch
 
@@ -10,9 +11,15 @@ from engine.kv import quant
 from engine.kv.paged import PagedCache
 from engine.kv.paged_int8 import PagedInt8Cache
 from engine.model import LlamaModel
-from tests.engine_helpers import forward_through_cache
+from tests.engine_helpers import forward_through_cache, one_torch_thread
 
 FP16_REL = 2.0**-10  # a float16 scale is within this relative distance of the exact one (with margin)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with one_torch_thread():
+        yield
 
 
 def randn(*shape, seed=0) -> torch.Tensor:
@@ -51,9 +58,12 @@ def test_an_outlier_key_channel_does_not_cost_the_other_channels_precision():
     typical = k[..., :5].abs().amax()
     assert others.max() <= typical / 127  # as precise as if the outlier were not there
     assert error[..., 5].max() <= k[..., 5].abs().amax() / 127  # the outlier keeps its own relative precision
-    # a single scale per token would have given the other channels the outlier's step
-    per_token_step = k.abs().amax(dim=-1).min() / 127
-    assert others.max() < per_token_step / 10
+    # the same keys quantized with one scale per token (the value scheme) lose 10x more on those channels
+    h, g, t, d = k.shape
+    per_token = quant.dequantize_values(*quant.quantize_values(k.view(h, g * t, d)), torch.float32)
+    per_token_error = (per_token.view(k.shape) - k).abs()
+    per_token_others = torch.cat([per_token_error[..., :5], per_token_error[..., 6:]], dim=-1)
+    assert per_token_others.mean() > 10 * others.mean()
 
 
 def test_key_scales_are_separate_per_group_of_tokens():
@@ -127,9 +137,11 @@ def test_int8_reads_float_until_a_block_fills_then_quantized_keys(tiny_config):
 
 NUM_POSITIONS = 1088  # 17 chunks of 64: over 1,000 teacher-forced next-token distributions
 CHUNK = 64
-# measured on SmolLM2-135M-Instruct, block size 16, float32 on CPU: mean KL 0.0XXX nats, top-1 0.9XXX
-MAX_MEAN_KL = 0.01
-MIN_TOP1 = 0.97
+# Measured on SmolLM2-135M-Instruct, block size 16, float32 on CPU, 1,088 positions of the Python language
+# reference: mean KL(float || int8) 0.000231 nats (max 0.0114), top-1 agreement 0.9936 (7 of 1,088 differ).
+# The bounds sit a little above those figures; the limits are 0.01 nats and 97%.
+MAX_MEAN_KL = 0.0005
+MIN_TOP1 = 0.985
 
 
 def english_ids(tokenizer, n: int) -> list[int]:
@@ -165,7 +177,10 @@ def int8_vs_float(default_engine, tokenizer):
             agree.append(p_log.argmax(-1) == q_log.argmax(-1))
     finally:
         default_engine.set_cache("paged", 16)
-    return torch.cat(kl), torch.cat(agree)
+    kl, agree = torch.cat(kl), torch.cat(agree)
+    print(f"\nint8 vs float over {kl.numel()} positions: mean KL {kl.mean():.6f} nats, max {kl.max():.4f}, "
+          f"top-1 agreement {agree.float().mean():.4f}")
+    return kl, agree
 
 
 @pytest.mark.default_model

@@ -14,7 +14,7 @@ from engine.kv.paged import PagedCache
 from engine.kv.paged_int8 import PagedInt8Cache
 from engine.kv.recompute import RecomputeCache
 from engine.model import LlamaModel, rope_inv_freq
-from tests.engine_helpers import forward_through_cache
+from tests.engine_helpers import forward_through_cache, one_torch_thread
 
 MAX_CONTEXT = 128
 SEQ_LEN, PREFILL = 40, 13  # 13 prompt tokens, then 27 single-token decode steps
@@ -37,6 +37,12 @@ VARIANTS = {
 # (strategy, block size): every strategy, paged at both extremes; paged-int8 with a block larger than the
 # sequence keeps everything in its full-precision window, so it too must match tightly
 EXACT_CACHES = [("none", 0), ("contiguous", 0), ("paged", 1), ("paged", 8), ("paged-int8", 64)]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with one_torch_thread():
+        yield
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:

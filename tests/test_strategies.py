@@ -6,7 +6,7 @@ import pytest
 
 from engine.chat import Message, prompt_ids
 from engine.config import BLOCK_SIZES
-from tests.engine_helpers import greedy, run_turn
+from tests.engine_helpers import greedy, one_torch_thread, run_turn
 
 LONG = 256  # tokens per default-model run
 
@@ -15,6 +15,12 @@ PROMPTS = {
     "science": "Explain in detail how photosynthesis works, step by step.",
     "short": "Hi!",
 }
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with one_torch_thread():
+        yield
 
 
 def greedy_batch(engine, prompts: dict[int, list[int]], n: int) -> dict[int, list[int]]:
@@ -99,6 +105,10 @@ def test_tiny_second_conversation_reuses_the_first_ones_cached_prefix(tiny_engin
 
 
 # ---- the default model: 256 greedy tokens, token for token --------------------------------------------
+# The fresh contiguous run of each prompt is the reference; it is computed once and shared by the tests.
+# Budget (one thread, loaded 2-core machine): ~20 s per 256-token run, ~135 s for the O(n^2) 'none' run.
+
+SECOND_MESSAGE = "Now write a short poem about that dragon."
 
 
 @pytest.fixture
@@ -108,23 +118,28 @@ def engine(default_engine):
 
 
 @pytest.fixture(scope="module")
-def contiguous_reference(default_engine):
-    """Greedy replies of a fresh contiguous run, computed on first use: name -> LONG token ids."""
-    replies: dict[str, list[int]] = {}
+def contiguous_reply(default_engine):
+    """contiguous_reply(history, message) -> (LONG greedy token ids, the messages after the turn), memoized."""
+    replies: dict[tuple, tuple[list[int], list[Message]]] = {}
 
-    def get(name: str) -> list[int]:
-        if name not in replies:
+    def get(history: list[Message], message: str) -> tuple[list[int], list[Message]]:
+        key = (tuple((m.role, m.content) for m in history), message)
+        if key not in replies:
             default_engine.set_cache("contiguous")
-            replies[name] = fresh_reply(default_engine, PROMPTS[name], LONG)
-        return replies[name]
+            conv = default_engine.new_conversation()
+            conv.messages = [Message(m.role, m.content) for m in history]
+            tokens = run_turn(default_engine, conv, message, greedy(LONG)).tokens
+            default_engine.forget(conv)
+            replies[key] = tokens, conv.messages
+        return replies[key]
 
     return get
 
 
 @pytest.mark.default_model
-@pytest.mark.parametrize(("cache", "block_size"), [("none", 16), ("paged", 1), ("paged", 16), ("paged", 64)])
-def test_greedy_256_tokens_are_identical_to_contiguous(engine, contiguous_reference, cache, block_size):
-    expected = contiguous_reference("story")
+@pytest.mark.parametrize(("cache", "block_size"), [("none", 16), ("paged", 1), ("paged", 64)])
+def test_greedy_256_tokens_are_identical_to_contiguous(engine, contiguous_reply, cache, block_size):
+    expected, _ = contiguous_reply([], PROMPTS["story"])
     engine.set_cache(cache, block_size)
     got = fresh_reply(engine, PROMPTS["story"], LONG)
     assert len(got) == LONG and len(set(got)) > 50  # a real text, not a loop of one token
@@ -132,28 +147,31 @@ def test_greedy_256_tokens_are_identical_to_contiguous(engine, contiguous_refere
 
 
 @pytest.mark.default_model
-def test_batched_decode_of_several_sequences_in_one_paged_pool_matches_each_alone(engine, tokenizer,
-                                                                                  contiguous_reference):
-    expected = {name: contiguous_reference(name) for name in PROMPTS}
+def test_paged_16_matches_contiguous_on_a_first_turn_and_on_a_second_turn_served_from_the_prefix_cache(
+        engine, contiguous_reply):
     engine.set_cache("paged", 16)
-    prompts = {200 + i: prompt_ids(tokenizer, None, [Message("user", PROMPTS[name])])
-               for i, name in enumerate(expected)}
-    assert len({len(p) for p in prompts.values()}) == len(prompts)
-    got = greedy_batch(engine, prompts, LONG)
-    for (name, tokens), seq_id in zip(expected.items(), prompts):
-        assert got[seq_id] == tokens, name
+    conv = engine.new_conversation()
+    first = run_turn(engine, conv, PROMPTS["story"], greedy(LONG))
+    expected_first, history = contiguous_reply([], PROMPTS["story"])
+    assert first.tokens == expected_first
+    assert [(m.role, m.content) for m in conv.messages] == [(m.role, m.content) for m in history]
+
+    second = run_turn(engine, conv, SECOND_MESSAGE, greedy(LONG))
+    assert second.done.prefix_hit_tokens > first.done.n_prompt_tokens  # the first turn's prompt and more
+    assert second.prefill[0].n_tokens == second.done.n_prompt_tokens - second.done.prefix_hit_tokens
+    expected_second, _ = contiguous_reply(history, SECOND_MESSAGE)
+    assert second.tokens == expected_second
 
 
 @pytest.mark.default_model
-def test_a_second_turn_served_from_the_prefix_cache_matches_a_fresh_contiguous_run(engine):
+def test_batched_decode_of_several_sequences_in_one_paged_pool_matches_each_alone(engine, tokenizer,
+                                                                                  contiguous_reply):
+    story, history = contiguous_reply([], PROMPTS["story"])
+    poem, _ = contiguous_reply(history, SECOND_MESSAGE)
+    story_ids = prompt_ids(tokenizer, None, [Message("user", PROMPTS["story"])])
+    poem_ids = prompt_ids(tokenizer, None, [*history, Message("user", SECOND_MESSAGE)])
     engine.set_cache("paged", 16)
-    conv = engine.new_conversation()
-    first = run_turn(engine, conv, "Name three colours.", greedy(64, run_to_length=False))
-    assert first.done.finish_reason == "stop"  # a whole reply, so the history re-tokenizes as generated
-    history = list(conv.messages)
-    second = run_turn(engine, conv, PROMPTS["story"], greedy(LONG))
-    assert second.done.prefix_hit_tokens > first.done.n_prompt_tokens
-    engine.forget(conv)
-
-    engine.set_cache("contiguous")
-    assert fresh_reply(engine, PROMPTS["story"], LONG, history) == second.tokens
+    # two different prompt lengths, and the same prompt twice: sequences must not disturb one another
+    got = greedy_batch(engine, {301: story_ids, 302: poem_ids, 303: story_ids}, LONG)
+    assert got == {301: story, 302: poem, 303: story}
+    assert engine.kv_stats().num_blocks_used == 0
