@@ -24,6 +24,7 @@ class PromptTooLong(ValueError):
 class Message:
     role: str
     content: str
+    token_ids: tuple[int, ...] | None = field(default=None, compare=False, repr=False)  # as generated
 
 
 @dataclass
@@ -33,13 +34,14 @@ class Conversation:
     context_start: int = 0  # messages before this index were trimmed from the model's view
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
 
-    def add(self, role: str, content: str) -> None:
+    def add(self, role: str, content: str, token_ids: tuple[int, ...] | None = None) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-        self.messages.append(Message(role, content))
+        self.messages.append(Message(role, content, token_ids))
 
     def snapshot(self) -> tuple:
-        return (self.system_prompt, [Message(m.role, m.content) for m in self.messages], self.context_start)
+        return (self.system_prompt, [Message(m.role, m.content, m.token_ids) for m in self.messages],
+                self.context_start)
 
     def restore(self, snapshot: tuple) -> None:
         self.system_prompt, self.messages, self.context_start = snapshot[0], list(snapshot[1]), snapshot[2]
@@ -82,13 +84,28 @@ def _message_from_dict(index: int, m: object) -> Message:
 
 
 def prompt_ids(tokenizer, system_prompt: str | None, messages: list[Message]) -> list[int]:
-    """Token ids of the chat template applied to the messages, ready for the assistant's reply."""
+    """Token ids of the chat template applied to the messages, ready for the assistant's reply.
+
+    A reply keeps the token ids the model generated: re-tokenizing its text can split it differently, which
+    would make the next turn's prompt diverge from what the KV cache holds in the middle of the history.
+    """
     chat = [{"role": "system", "content": system_prompt}] if system_prompt else []
     chat += [{"role": m.role, "content": m.content} for m in messages]
-    ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
+    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    ids, cursor = [], 0
+    for m in messages:
+        if m.role != "assistant" or not m.token_ids or tokenizer.decode(list(m.token_ids)) != m.content:
+            continue
+        found = text.find(m.content, cursor) if m.content else -1
+        if found < 0:
+            continue
+        ids += _encode(tokenizer, text[cursor:found]) + list(m.token_ids)
+        cursor = found + len(m.content)
+    return ids + _encode(tokenizer, text[cursor:])
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False) if text else []
 
 
 def fit_to_context(tokenizer, conv: Conversation, limit: int, reserve: int) -> tuple[list[int], int]:

@@ -161,7 +161,7 @@ class Engine:
         yield from run.prefill()
         yield from run.decode()
         text = run.text()
-        conv.add("assistant", text)
+        conv.add("assistant", text, tuple(run.generated))
         yield DoneEvent(text, len(ids), len(run.generated), run.ttft_ms, run.decode_tok_s(),
                         run.finish_reason, self.cache.name, run.prefix_hit)
 

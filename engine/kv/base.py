@@ -8,6 +8,7 @@ values where the strategy keeps them and attends over everything the sequence ho
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,43 +38,26 @@ class KVStats:
 BLOCK_FREE, BLOCK_OWN, BLOCK_OTHER, BLOCK_CACHED = 0, 1, 2, 3
 
 
-def pad_to(tensors: list[torch.Tensor], length: int, dim: int) -> torch.Tensor:
-    """Stack tensors along a new batch dim, zero-padding `dim` to `length`."""
-    padded = []
-    for t in tensors:
-        missing = length - t.shape[dim]
-        if missing:
-            shape = list(t.shape)
-            shape[dim] = missing
-            t = torch.cat([t, t.new_zeros(shape)], dim=dim)
-        padded.append(t)
-    return torch.stack(padded)
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+    """Causal grouped-query attention of one sequence.
 
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-              kv_len: list[int]) -> torch.Tensor:
-    """Causal grouped-query attention.
-
-    q: [B, Hq, T, D]; k, v: [B, Hkv, S, D]; q_pos: [B, T] absolute positions of the queries;
-    kv_len: valid keys per sequence (keys past it are padding). Returns [B, Hq, T, D].
+    q: [1, Hq, T, D]; k, v: [1, Hkv, S, D] with every key valid; q_pos: [1, T] absolute positions of the
+    queries (keys sit at positions 0..S-1). Returns [1, Hq, T, D].
     """
     b, hq, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
     group = hq // hkv
-    uniform = all(n == s for n in kv_len)
-    if t == 1 and uniform:
+    if t == 1:
         # decode: the G query heads of a group share keys, so fold them into the query length
         out = torch.nn.functional.scaled_dot_product_attention(q.view(b, hkv, group, d), k, v)
         return out.view(b, hq, 1, d)
     if group > 1:
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
-    if b == 1 and uniform and t == s:
+    if t == s:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-    key_pos = torch.arange(s, device=q.device)
-    lengths = torch.tensor(kv_len, device=q.device)
-    mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < lengths[:, None, None])
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])  # mask: [B,1,T,S]
+    mask = torch.arange(s, device=q.device)[None, :] <= q_pos[0, :, None]  # [T, S]
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 class StepView(ABC):
@@ -91,6 +75,20 @@ class StepView(ABC):
     @abstractmethod
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [B, Hq, T, D]; k, v: [B, Hkv, T, D] for the new tokens -> [B, Hq, T, D]."""
+
+    def attend_each(self, q: torch.Tensor, keys_values: Callable[[int], tuple[torch.Tensor, torch.Tensor]]):
+        """Attention of each sequence over its own held keys and values (no padding to a common length).
+
+        keys_values(i) -> k, v: [Hkv, kv_len[i], D]. q: [B, Hq, T, D] -> [B, Hq, T, D].
+        """
+        if len(self.seq_ids) == 1:
+            k, v = keys_values(0)
+            return attention(q, k[None], v[None], self.positions)
+        out = torch.zeros_like(q)
+        for i, n in enumerate(self.n_new):
+            k, v = keys_values(i)
+            out[i:i + 1, :, :n] = attention(q[i:i + 1, :, :n], k[None], v[None], self.positions[i:i + 1, :n])
+        return out
 
 
 class KVCache(ABC):

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv.base import KVCache, KVCacheFull, KVStats, StepView, attention, pad_to
+from engine.kv.base import KVCache, KVCacheFull, KVStats, StepView
 
 
 @dataclass
@@ -26,17 +26,16 @@ class ContiguousView(StepView):
         self.buffers = [cache.reservations[s] for s in seq_ids]
 
     def attend(self, layer, q, k, v):
-        ks, vs = [], []
+        self.layer = layer
         for i, buf in enumerate(self.buffers):
             start, end = self.past[i], self.kv_len[i]
             buf.k[layer, :, start:end] = k[i, :, : end - start]
             buf.v[layer, :, start:end] = v[i, :, : end - start]
-            ks.append(buf.k[layer, :, :end])  # [Hkv, S_i, D]
-            vs.append(buf.v[layer, :, :end])
-        if len(ks) == 1:
-            return attention(q, ks[0][None], vs[0][None], self.positions, self.kv_len)
-        s = max(self.kv_len)
-        return attention(q, pad_to(ks, s, 1), pad_to(vs, s, 1), self.positions, self.kv_len)
+        return self.attend_each(q, self._held)
+
+    def _held(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        buf, end = self.buffers[i], self.kv_len[i]
+        return buf.k[self.layer, :, :end], buf.v[self.layer, :, :end]  # [Hkv, S_i, D]
 
 
 class ContiguousCache(KVCache):

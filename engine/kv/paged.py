@@ -20,7 +20,6 @@ from engine.kv.base import (
     KVCacheFull,
     KVStats,
     StepView,
-    attention,
 )
 from engine.kv.block_pool import BlockPool
 
@@ -45,46 +44,32 @@ class PagedView(StepView):
         super().__init__(seq_ids, past, n_new, cache.device)
         self.cache = cache
         self.tables = tables
-        bs, dev = cache.block_size, cache.device
+        dev = cache.device
         self.write_slots = torch.tensor(
             [cache.slot(t, p) for t, p0, n in zip(tables, past, n_new) for p in range(p0, p0 + n)], device=dev
         )
-        self.valid = [(i, j) for i, n in enumerate(n_new) for j in range(n)]
-        self.valid_index = torch.tensor([i * max(n_new) + j for i, j in self.valid], device=dev)
-        self.runs = [cache.run_start(t, length) for t, length in zip(tables, self.kv_len)]
-        if any(r is None for r in self.runs):
-            self.read_slots = self._padded_read_slots(bs)
-
-    def _padded_read_slots(self, bs: int) -> torch.Tensor:
-        s = max(self.kv_len)
-        rows = []
-        for table, length in zip(self.tables, self.kv_len):
-            t = torch.tensor(table, device=self.cache.device)
-            slots = (t[:, None] * bs + torch.arange(bs, device=self.cache.device)).flatten()[:length]
-            rows.append(torch.nn.functional.pad(slots, (0, s - length)))
-        return torch.cat(rows)  # [B * S]
+        width = max(n_new)
+        self.valid_index = torch.tensor([i * width + j for i, n in enumerate(n_new) for j in range(n)], device=dev)
+        self.read_slots = [cache.held_slots(t, length) for t, length in zip(tables, self.kv_len)]
 
     def new_tokens_flat(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, H, T, D] -> [H, N, D] holding only the valid (unpadded) new tokens."""
         b, h, t, d = x.shape
-        if b == 1 and len(self.valid) == t:
+        if b == 1:
             return x[0]
         return x.transpose(0, 1).reshape(h, b * t, d).index_select(1, self.valid_index)
-
-    def gather(self, store: torch.Tensor) -> torch.Tensor:
-        """store: [H, slots, D] -> [B, H, S, D] keys or values of every held token."""
-        s = max(self.kv_len)
-        if len(self.tables) == 1 and self.runs[0] is not None:
-            start = self.runs[0]
-            return store[:, start:start + s][None]
-        h, _, d = store.shape
-        return store.index_select(1, self.read_slots).view(h, len(self.tables), s, d).transpose(0, 1)
 
     def attend(self, layer, q, k, v):
         c = self.cache
         c.k[layer].index_copy_(1, self.write_slots, self.new_tokens_flat(k))
         c.v[layer].index_copy_(1, self.write_slots, self.new_tokens_flat(v))
-        return attention(q, self.gather(c.k[layer]), self.gather(c.v[layer]), self.positions, self.kv_len)
+        keys, values = c.k[layer], c.v[layer]  # [Hkv, slots, D]
+        return self.attend_each(q, lambda i: (take(keys, self.read_slots[i]), take(values, self.read_slots[i])))
+
+
+def take(store: torch.Tensor, index: torch.Tensor | slice) -> torch.Tensor:
+    """store[:, index] along dim 1: a view for a slice, a gather for an index tensor."""
+    return store[:, index] if isinstance(index, slice) else store.index_select(1, index)
 
 
 class PagedCache(KVCache):
@@ -111,12 +96,14 @@ class PagedCache(KVCache):
     def slot(self, table: list[int], position: int) -> int:
         return table[position // self.block_size] * self.block_size + position % self.block_size
 
-    def run_start(self, table: list[int], length: int) -> int | None:
-        """First slot if the blocks holding `length` tokens are consecutive, else None."""
-        used = table[: -(-length // self.block_size)]
+    def held_slots(self, table: list[int], length: int) -> torch.Tensor | slice:
+        """Slots of the first `length` tokens: a slice when their blocks are consecutive (read without a copy)."""
+        bs = self.block_size
+        used = table[: -(-length // bs)]
         if all(b == used[0] + i for i, b in enumerate(used)):
-            return used[0] * self.block_size
-        return None
+            return slice(used[0] * bs, used[0] * bs + length)
+        blocks = torch.tensor(used, device=self.device)
+        return (blocks[:, None] * bs + torch.arange(bs, device=self.device)).flatten()[:length]
 
     # ---- preparing a sequence: reuse what is held, or what the prefix cache has
     def prepare(self, seq_id, token_ids):

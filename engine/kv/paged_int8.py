@@ -9,21 +9,22 @@ from __future__ import annotations
 import torch
 
 from engine.kv import quant
-from engine.kv.base import attention, pad_to
-from engine.kv.paged import PagedCache, PagedView, Sequence
+from engine.kv.paged import PagedCache, PagedView, Sequence, take
 
 
 class Int8View(PagedView):
     def attend(self, layer, q, k, v):
         c = self.cache
-        keys, values = [], []
         for i, seq_id in enumerate(self.seq_ids):
-            window = c.windows[seq_id]
-            c.store(layer, self.tables[i], window, self.past[i], k[i, :, : self.n_new[i]], v[i, :, : self.n_new[i]])
-            keys.append(c.read_keys(layer, self.tables[i], window, self.kv_len[i]))
-            values.append(c.read_values(layer, self.tables[i], window, self.kv_len[i]))
-        s = max(self.kv_len)
-        return attention(q, pad_to(keys, s, 1), pad_to(values, s, 1), self.positions, self.kv_len)
+            c.store(layer, self.tables[i], c.windows[seq_id], self.past[i], k[i, :, : self.n_new[i]],
+                    v[i, :, : self.n_new[i]])
+        return self.attend_each(q, lambda i: self._dequantized(layer, i))
+
+    def _dequantized(self, layer: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        c, length = self.cache, self.kv_len[i]
+        keys, values = c.workspace(length)  # [Hkv, S, D] each, full precision
+        c.dequantize_into(layer, self.tables[i], c.windows[self.seq_ids[i]], length, keys, values)
+        return keys, values
 
 
 class PagedInt8Cache(PagedCache):
@@ -42,6 +43,17 @@ class PagedInt8Cache(PagedCache):
         self.k_scale = torch.zeros(shape[:2] + (num_blocks, c.head_dim), dtype=quant.SCALE_DTYPE, device=self.device)
         self.v_scale = torch.zeros(shape[:3], dtype=quant.SCALE_DTYPE, device=self.device)
         self.windows: dict[int, torch.Tensor] = {}
+        self._workspace = torch.zeros((), dtype=self.dtype, device=self.device)
+
+    def workspace(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scratch buffers, reused across sequences, layers and steps, that held keys and values are
+        dequantized into: [Hkv, length, D] each. Scratch for one attention call, not cache storage."""
+        if self._workspace.dim() == 0 or self._workspace.shape[2] < length:
+            c = self.config
+            capacity = max(length, min(max(length, 256) * 2, self.max_context))
+            shape = (2, c.num_kv_heads, capacity, c.head_dim)
+            self._workspace = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return self._workspace[0, :, :length], self._workspace[1, :, :length]
 
     def storage_tensors(self):
         return [self.k, self.v, self.k_scale, self.v_scale]
@@ -91,27 +103,35 @@ class PagedInt8Cache(PagedCache):
         self.v[layer].index_copy_(1, slots, v_q)
         self.v_scale[layer].index_copy_(1, slots, v_scale)
 
-    def _full_slots(self, table: list[int], full: int) -> tuple[torch.Tensor, torch.Tensor]:
-        blocks = torch.tensor(table[:full], device=self.device, dtype=torch.long)
-        slots = (blocks[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).flatten()
-        return blocks, slots
+    def _held_blocks(self, table: list[int], full: int) -> tuple[torch.Tensor | slice, torch.Tensor | slice]:
+        """Indices of the first `full` blocks and of their slots: slices when the blocks are consecutive."""
+        slots = self.held_slots(table, full * self.block_size) if full else slice(0, 0)
+        if isinstance(slots, slice):
+            return slice(slots.start // self.block_size, slots.stop // self.block_size), slots
+        return torch.tensor(table[:full], device=self.device), slots
 
-    def read_keys(self, layer, table, window, length) -> torch.Tensor:
-        """-> [Hkv, length, D] keys of the sequence, dequantized."""
-        full = length // self.block_size
-        blocks, slots = self._full_slots(table, full)
-        h, d = self.k.shape[1], self.k.shape[3]
-        q = self.k[layer].index_select(1, slots).view(h, full, self.block_size, d)
-        keys = quant.dequantize_keys(q, self.k_scale[layer].index_select(1, blocks), self.dtype)
-        return torch.cat([keys, window[0, layer, :, : length - full * self.block_size]], dim=1)
+    def dequantize_into(self, layer: int, table: list[int], window: torch.Tensor, length: int,
+                        keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write the sequence's `length` keys and values, full precision, into keys/values [Hkv, >=length, D]."""
+        bs, h, d = self.block_size, self.k.shape[1], self.k.shape[3]
+        full = length // bs
+        n = full * bs
+        blocks, slots = self._held_blocks(table, full)
+        k_q, v_q = take(self.k[layer], slots), take(self.v[layer], slots)  # [Hkv, n, D] int8
+        k_scale = take(self.k_scale[layer], blocks).float()  # [Hkv, full, D]
+        v_scale = take(self.v_scale[layer], slots).float()  # [Hkv, n]
+        torch.mul(k_q.view(h, full, bs, d), k_scale[:, :, None], out=keys[:, :n].view(h, full, bs, d))
+        torch.mul(v_q, v_scale[..., None], out=values[:, :n])
+        keys[:, n:length] = window[0, layer, :, : length - n]
+        values[:, n:length] = window[1, layer, :, : length - n]
 
-    def read_values(self, layer, table, window, length) -> torch.Tensor:
-        full = length // self.block_size
-        _, slots = self._full_slots(table, full)
-        values = quant.dequantize_values(
-            self.v[layer].index_select(1, slots), self.v_scale[layer].index_select(1, slots), self.dtype
-        )
-        return torch.cat([values, window[1, layer, :, : length - full * self.block_size]], dim=1)
+    def read_keys_values(self, layer, table, window, length) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> keys, values [Hkv, length, D] of the sequence, dequantized (fresh tensors)."""
+        c = self.config
+        keys = torch.empty(c.num_kv_heads, length, c.head_dim, dtype=self.dtype, device=self.device)
+        values = torch.empty_like(keys)
+        self.dequantize_into(layer, table, window, length, keys, values)
+        return keys, values
 
     # ---- keeping the prefix cache consistent
     def _copy_block(self, src: int, dst: int) -> None:
@@ -129,8 +149,7 @@ class PagedInt8Cache(PagedCache):
             window = self.windows[self._seq_id(seq)]
             table = seq.blocks[: keep // bs + 1]
             for layer in range(self.config.num_layers):
-                k = self.read_keys(layer, table, window, len(table) * bs)
-                v = self.read_values(layer, table, window, len(table) * bs)
+                k, v = self.read_keys_values(layer, table, window, len(table) * bs)
                 window[0, layer, :, :rest] = k[:, (len(table) - 1) * bs:][:, :rest]
                 window[1, layer, :, :rest] = v[:, (len(table) - 1) * bs:][:, :rest]
         super()._keep_tokens(seq, keep)
@@ -145,3 +164,4 @@ class PagedInt8Cache(PagedCache):
         stats = super().stats(seq_id)
         windows = sum(w.nbytes for w in self.windows.values())
         return type(stats)(**{**stats.__dict__, "bytes_used": stats.bytes_used + windows})
+

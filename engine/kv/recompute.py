@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from engine.kv.base import KVCache, KVStats, StepView, attention
+from engine.kv.base import KVCache, KVStats, StepView
 
 
 class RecomputeView(StepView):
     def attend(self, layer, q, k, v):
         # q: [B, Hq, T, D]; k, v: [B, Hkv, T, D] hold the whole sequence
-        return attention(q, k, v, self.positions, self.kv_len)
+        return self.attend_each(q, lambda i: (k[i, :, : self.n_new[i]], v[i, :, : self.n_new[i]]))
 
 
 class RecomputeCache(KVCache):
