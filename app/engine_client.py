@@ -31,8 +31,7 @@ class EngineClient(QObject):
         self.thread.setObjectName("EngineWorker")
         self.worker.moveToThread(self.thread)
         self._connect()
-        self.thread.started.connect(self.worker.lower_priority)
-        self.thread.start(QThread.Priority.LowPriority)
+        self.thread.start()
 
     def _connect(self) -> None:
         w = self.worker

@@ -17,6 +17,7 @@ from __future__ import annotations
 import sys
 
 from PySide6.QtCore import Qt, QTimer
+from PySide6.QtGui import QIcon
 from PySide6.QtWidgets import QApplication, QMainWindow, QMessageBox, QSplitter
 
 from app.block_map import BlockMap
@@ -28,7 +29,7 @@ from app.metrics_panel import MetricsPanel
 from app.pyside_compat import install_refcount_guard
 from app.settings import AppSettings
 from app.status_bar import StatusBar
-from app.style import load_stylesheet
+from app.style import RESOURCES, load_stylesheet
 from app.window_actions import WindowActions
 
 STATUS_REFRESH_MS = 200
@@ -283,6 +284,7 @@ def run_gui(args) -> int:
     app.setOrganizationName("kvscope")
     app.setApplicationName("kvscope")
     app.setStyleSheet(load_stylesheet())
+    app.setWindowIcon(QIcon(str(RESOURCES / "icon.svg")))
     window = MainWindow(model=getattr(args, "model", None), cache=getattr(args, "cache", None),
                         block_size=getattr(args, "block_size", None))
     window.show()

@@ -8,18 +8,12 @@ The Conversation belongs to this thread; the GUI only ever sees copies (`convers
 
 from __future__ import annotations
 
-import contextlib
-import os
-import threading
-
 from PySide6.QtCore import QObject, Signal, Slot
 
 from app.model_info import ModelInfo
 from engine.chat import Conversation
 from engine.config import EngineConfig
 from engine.events import DoneEvent, StepEvent, TrimEvent
-
-WORKER_NICE = 5  # Linux: the GUI thread gets about three quarters of a contended core
 
 
 class WorkerSignals(QObject):
@@ -31,7 +25,7 @@ class WorkerSignals(QObject):
     finished = Signal(object)  # DoneEvent: the turn is over (also when cancelled)
     error = Signal(str)  # something failed; the engine and the conversation are as before
     stats = Signal(object)  # KVStats after a change made without generating
-    conversation = Signal(dict)  # Conversation.to_dict() after every change
+    conversation = Signal(object)  # Conversation.to_dict() after every change (a plain dict, not a QVariantMap)
 
 
 class EngineWorker(QObject):
@@ -60,17 +54,6 @@ class EngineWorker(QObject):
             self.engine.forget(self.conv)
 
     # --- slots, run on the worker thread ---------------------------------------------------------------------------
-    @Slot()
-    def lower_priority(self) -> None:
-        """Let the GUI thread win the CPU over generation, so the window stays responsive on few cores.
-
-        Qt's thread priorities have no effect for normal threads on Linux, where each thread has its own nice
-        value instead; threads this one starts later (torch's intra-op pool) inherit it.
-        """
-        if hasattr(os, "setpriority") and hasattr(threading, "get_native_id"):
-            with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICE)
-
     @Slot(object)
     def load(self, model: str | None) -> None:
         if self._closing:

@@ -10,7 +10,6 @@ from engine.chat import Message, PromptTooLong, prompt_ids
 from engine.config import SamplingParams
 from engine.events import DoneEvent, StepEvent
 from engine.kv.base import KVCacheFull
-from engine.kv.paged import common_prefix_length
 from tests.engine_helpers import Turn, greedy, one_torch_thread, run_turn
 
 STRATEGIES = ["none", "contiguous", "paged", "paged-int8"]
@@ -21,6 +20,10 @@ SYSTEM = "You are a terse test assistant."
 def _one_thread():
     with one_torch_thread():
         yield
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def messages_of(conv) -> list[tuple[str, str]]:
@@ -324,3 +327,47 @@ def test_switching_strategy_between_turns_keeps_the_conversation_going(tiny_engi
             assert turn.tokens == run_turn(reference, fresh, f"Turn {i}: say something.", greedy(8)).tokens
     assert engine.block_size == 1 and engine.kv_stats().block_size == 1
     assert len(conv.messages) == 12
+
+
+# ---- isolation between sequences that share blocks ------------------------------------------------------
+
+LONG_SYSTEM = "You are a careful assistant. You answer in one short sentence and never use lists or tables."
+
+
+def a_then_b_then_a(engine, with_b: bool) -> list[int]:
+    """Conversation A's second reply, with or without conversation B sharing and rewriting A's blocks."""
+    a = engine.new_conversation(LONG_SYSTEM)
+    run_turn(engine, a, "Tell me about caches, please, in some detail.", greedy(8))
+    if with_b:
+        b = engine.new_conversation(LONG_SYSTEM)
+        first = run_turn(engine, b, "Tell me about caches, please, in some detail.", greedy(8))
+        assert first.done.prefix_hit_tokens >= 32  # B shares A's full prompt blocks
+        b.messages.clear()
+        edited = run_turn(engine, b, "Tell me about dogs, please.", greedy(8))  # diverges inside a shared block
+        assert 0 < edited.done.prefix_hit_tokens < first.done.n_prompt_tokens
+    return run_turn(engine, a, "And then?", greedy(16)).tokens
+
+
+@pytest.mark.parametrize("cache", ["paged", "paged-int8"])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_a_sequence_rewriting_a_shared_block_never_changes_the_other_sequences_tokens(tiny_engine_factory,
+                                                                                      cache, block_size):
+    alone = a_then_b_then_a(tiny_engine_factory(cache, block_size), with_b=False)
+    assert a_then_b_then_a(tiny_engine_factory(cache, block_size), with_b=True) == alone
+
+
+@pytest.mark.parametrize("cache", ["paged", "paged-int8"])
+def test_evicted_prefix_blocks_are_never_served_stale(tiny_engine_factory, cache):
+    engine = tiny_engine_factory(cache, 16, pool_tokens=128)
+    fresh = tiny_engine_factory(cache, 16, pool_tokens=128)
+    expected = run_turn(fresh, fresh.new_conversation(LONG_SYSTEM), "Question one.", greedy(16)).tokens
+    first = engine.new_conversation(LONG_SYSTEM)
+    run_turn(engine, first, "Question one.", greedy(16))
+    engine.forget(first)  # its full blocks stay cached for reuse...
+    assert engine.kv_stats().num_blocks_cached > 0
+    other = engine.new_conversation("A different system prompt that shares nothing with the first one at all.")
+    run_turn(engine, other, "Something else entirely, and rather long, to fill the pool up.", greedy(40))
+    engine.forget(other)  # ...until another conversation needs the room
+    again = run_turn(engine, engine.new_conversation(LONG_SYSTEM), "Question one.", greedy(16))
+    assert again.done.prefix_hit_tokens < 32  # not both of its full prompt blocks survived
+    assert again.tokens == expected

