@@ -108,16 +108,18 @@ def _encode(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False) if text else []
 
 
-def fit_to_context(tokenizer, conv: Conversation, limit: int, reserve: int) -> tuple[list[int], int]:
-    """Prompt ids that leave `reserve` tokens free, dropping the oldest turns; returns (ids, messages dropped).
+def fit_to_context(tokenizer, conv: Conversation, limit: int, reserve: int) -> tuple[list[int], int, int]:
+    """Prompt ids that leave `reserve` tokens free, dropping the oldest turns.
 
-    The window only ever moves forward (conv.context_start), so later turns keep a stable prefix.
+    Returns (ids, messages dropped, tokens dropped). The window only ever moves forward
+    (conv.context_start), so later turns keep a stable prefix.
     """
-    dropped = 0
+    dropped, untrimmed = 0, None
     while True:
         ids = prompt_ids(tokenizer, conv.system_prompt, conv.visible_messages())
+        untrimmed = untrimmed or len(ids)
         if len(ids) + reserve <= limit:
-            return ids, dropped
+            return ids, dropped, untrimmed - len(ids)
         if len(conv.visible_messages()) <= 1:
             raise PromptTooLong(
                 f"the message needs {len(ids)} tokens with the system prompt, but the context holds {limit} "

@@ -154,9 +154,9 @@ class Engine:
 
     def _reply(self, conv: Conversation, params: SamplingParams) -> Iterator[Event]:
         reserve = min(params.max_new_tokens, self.max_context // 4)
-        ids, dropped = fit_to_context(self.tokenizer, conv, self.max_context, reserve)
-        if dropped:
-            yield TrimEvent(dropped, 0, self.max_context)
+        ids, dropped_messages, dropped_tokens = fit_to_context(self.tokenizer, conv, self.max_context, reserve)
+        if dropped_messages:
+            yield TrimEvent(dropped_messages, dropped_tokens, self.max_context)
         run = _Run(self, conv.seq_id, ids, params)
         yield from run.prefill()
         yield from run.decode()

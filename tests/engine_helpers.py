@@ -25,11 +25,10 @@ def one_torch_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def greedy(max_new_tokens: int, *, run_to_length: bool = True) -> SamplingParams:
-    """Deterministic decoding; run_to_length disables every stop token so exactly max_new_tokens come out."""
-    stop = (-1,) if run_to_length else ()
+def greedy(max_new_tokens: int) -> SamplingParams:
+    """Deterministic decoding with no stop token (-1 is never sampled): exactly max_new_tokens come out."""
     return SamplingParams(temperature=0, repetition_penalty=1.0, max_new_tokens=max_new_tokens,
-                          stop_token_ids=stop)
+                          stop_token_ids=(-1,))
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from PySide6.QtCore import QSettings
+from PySide6.QtCore import QObject, QSettings
 
 from app.main_window import MainWindow
 from app.settings import AppSettings
@@ -36,16 +36,38 @@ def open_window(qtbot, settings: AppSettings, engine, max_new_tokens: int = 12) 
     return window
 
 
-class Recorder:
-    """Collects what the worker reports during one turn."""
+class Recorder(QObject):
+    """Collects what the worker reports during one turn (a QObject, so every report arrives on this thread).
+
+    The turn has ended when the conversation is reported after its DoneEvent or its error: the worker always
+    reports them in that order.
+    """
 
     def __init__(self, window):
+        super().__init__()
         self.signals = window.client.signals
         self.steps, self.tokens, self.done, self.errors = [], [], [], []
-        self._pairs = ((self.signals.step, self.steps.append), (self.signals.token, self.tokens.append),
-                       (self.signals.finished, self.done.append), (self.signals.error, self.errors.append))
+        self.ended = False
+        self._pairs = ((self.signals.step, self._on_step), (self.signals.token, self._on_token),
+                       (self.signals.finished, self._on_finished), (self.signals.error, self._on_error),
+                       (self.signals.conversation, self._on_conversation))
         for signal, slot in self._pairs:
             signal.connect(slot)
+
+    def _on_step(self, event) -> None:
+        self.steps.append(event)
+
+    def _on_token(self, text: str) -> None:
+        self.tokens.append(text)
+
+    def _on_finished(self, done) -> None:
+        self.done.append(done)
+
+    def _on_error(self, message: str) -> None:
+        self.errors.append(message)
+
+    def _on_conversation(self, _data) -> None:
+        self.ended = self.ended or bool(self.done or self.errors)
 
     def close(self) -> None:
         for signal, slot in self._pairs:
@@ -53,12 +75,11 @@ class Recorder:
 
 
 def run_turn(qtbot, window, start, timeout: int = TURN_TIMEOUT_MS, expect_error: bool = False) -> Recorder:
-    """Call start() (send, regenerate, edit...) and wait until the worker has reported the conversation after it."""
+    """Call start() (send, regenerate, edit...) and wait until the turn has ended and the window is idle."""
     recorder = Recorder(window)
     try:
-        with qtbot.waitSignal(window.client.signals.conversation, timeout=timeout):
-            start()
-        qtbot.waitUntil(lambda: not window.generating, timeout=timeout)
+        start()
+        qtbot.waitUntil(lambda: recorder.ended and not window.generating, timeout=timeout)
     finally:
         recorder.close()
     assert expect_error or not recorder.errors, f"the worker reported: {recorder.errors}"

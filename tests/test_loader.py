@@ -128,6 +128,7 @@ def test_an_unsupported_architecture_names_what_was_found_and_what_is_supported(
 # ---- GGUF files -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.default_model  # a truncated copy of the real GGUF
 @pytest.mark.parametrize("size", [0, 16, 4096, 2_000_000])
 def test_a_truncated_gguf_is_refused_and_nothing_is_written(tmp_path, private_cache, size):
     with open(loader.default_model_path(), "rb") as real:

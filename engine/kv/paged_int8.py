@@ -158,7 +158,8 @@ class PagedInt8Cache(PagedCache):
         return next(s for s, candidate in self.seqs.items() if candidate is seq)
 
     def bytes_allocated(self) -> int:
-        return super().bytes_allocated() + sum(w.nbytes for w in self.windows.values())
+        windows = sum(w.nbytes for w in self.windows.values())
+        return super().bytes_allocated() + windows + self._workspace.nbytes
 
     def stats(self, seq_id=None):
         stats = super().stats(seq_id)
