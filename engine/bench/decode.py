@@ -12,6 +12,7 @@ CONTEXTS = (16, 512, 2048, 4096, 8192)
 QUICK_CONTEXTS = (16, 512, 2048)
 STEPS, QUICK_STEPS = 32, 16
 CACHED_STRATEGIES = ("contiguous", "paged", "paged-int8")
+BF16_PAGED = "paged, bf16 decode weights"  # the engine's optional half-precision weight copy for decode
 NONE_CONTEXTS, NONE_STEPS = (16, 512), 6  # 'none' reruns the whole context per token: see the recompute bench
 
 METHOD = (
@@ -58,6 +59,8 @@ def make_peers(ctx: BenchContext, contexts: list[int], steps: int, pool_tokens: 
     runners = {"none": (peers.EnginePeer(e, "none", pool_tokens), none_contexts, NONE_STEPS)}
     for s in CACHED_STRATEGIES:
         runners[s] = (peers.EnginePeer(e, s, pool_tokens), contexts, steps)
+    if e.device.type == "cpu" and e.dtype == torch.float32:
+        runners[BF16_PAGED] = (peers.EnginePeer(e, "paged", pool_tokens, decode_dtype=torch.bfloat16), contexts, steps)
     notes = [f"'none' only at contexts {none_contexts} with {NONE_STEPS} steps: each of its steps reruns the whole "
              "context (the recompute benchmark measures it in full)."]
     others, more_notes = peers.external_peers(ctx, pool_tokens)
@@ -71,7 +74,7 @@ def kv_bytes_per_token(ctx: BenchContext) -> dict[str, float]:
     full = e.model_config.kv_bytes_per_token(torch.tensor([], dtype=e.dtype).element_size())
     int8 = make_cache(e, "paged-int8", block_size=16, pool_tokens=16)
     return {"none": full, "contiguous": full, "paged": full, "paged-int8": int8.bytes_per_block() / 16,
-            "transformers": full}
+            "transformers": full, BF16_PAGED: full}
 
 
 def roofline_figures(ctx: BenchContext, latency: dict, quick: bool) -> dict:
@@ -82,7 +85,8 @@ def roofline_figures(ctx: BenchContext, latency: dict, quick: bool) -> dict:
     bound, multiple = {}, {}
     for name, by_context in latency.items():
         kv = per_token.get(name, per_token["transformers"])
-        bound[name] = {c: roofline.lower_bound_ms(roofline.step_bytes(weights, kv, int(c)), bw.all_threads_gbs)
+        w = weights // 2 if name == BF16_PAGED else weights  # it reads a bfloat16 copy of every projection
+        bound[name] = {c: roofline.lower_bound_ms(roofline.step_bytes(w, kv, int(c)), bw.all_threads_gbs)
                        for c in by_context}
         multiple[name] = {c: ratio(ms, bound[name][c]) for c, ms in by_context.items()}
     return {"bandwidth": bw.__dict__, "weight_bytes": weights, "kv_bytes_per_token": per_token,

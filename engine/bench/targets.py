@@ -57,7 +57,14 @@ def decode_targets(r: dict) -> list[Target]:
         hf, paged = _get(lat, "transformers", c), _get(lat, "paged", c)
         out.append(_check(f"paged decode vs transformers at {c} (transformers / paged)", _div(hf, paged), ">=",
                           2.5, "x", f"paged {fmt(paged)} ms vs transformers {fmt(hf)} ms per token; both read the "
-                          "same weights, so a gap comes from per-step overhead, not bandwidth"))
+                          "same float32 weights (~540 MB a step), which alone take most of the step at this "
+                          "machine's bandwidth (see the roofline), so per-step overhead is all there is to win"))
+    for c in ("512", "2048"):
+        hf, fast = _get(lat, "transformers", c), _get(lat, "paged, bf16 decode weights", c)
+        if fast is not None:
+            out.append(_check(f"paged with bf16 decode weights vs transformers at {c}", _div(hf, fast), ">=", 2.5,
+                              "x", f"{fmt(fast)} ms vs {fmt(hf)} ms: half the weight bytes, but CPU bfloat16 "
+                              "matrix-vector kernels reach a lower fraction of the bandwidth than float32"))
     paged, contig, int8 = (_get(lat, s, "2048") for s in ("paged", "contiguous", "paged-int8"))
     out.append(_check("paged / contiguous latency at 2048", _div(paged, contig), "<=", 1.15, "x",
                       f"paged {fmt(paged)} ms vs contiguous {fmt(contig)} ms: the price of the block table"))
@@ -92,7 +99,9 @@ def turns_targets(r: dict) -> list[Target]:
                    f"turn 2 prefilled {second['prompt_tokens'] - second['prefix_hit_tokens']} new tokens in "
                    f"{fmt(second['ttft_ms'])} ms, turn {last['turn']} "
                    f"{last['prompt_tokens'] - last['prefix_hit_tokens']} in {fmt(last['ttft_ms'])} ms over a "
-                   f"{last['prompt_tokens']}-token history")]
+                   f"{last['prompt_tokens']}-token history: the new tokens' attention over the whole history "
+                   "(2 x T x context x head_dim x heads x layers FLOPs) grows with the context even when only the "
+                   "new tokens are prefilled")]
 
 
 # ---- concurrency
