@@ -96,7 +96,9 @@ class BlockMap(QWidget):
         self.stack.addWidget(self.grid)
         self.stack.addWidget(self.message)
         layout.addWidget(self.stack, 1)
-        layout.addLayout(self._legend())
+        self.legend = QWidget(self)
+        self.legend.setLayout(self._legend())
+        layout.addWidget(self.legend)
 
     def set_stats(self, kv) -> None:
         if not kv.num_blocks or not kv.block_states:
@@ -104,6 +106,7 @@ class BlockMap(QWidget):
             self.message.setText(f"The '{kv.strategy}' strategy has no blocks: it {why}")
             self.summary.setText(f"{kv.tokens:,} tokens held")
             self.stack.setCurrentWidget(self.message)
+            self.legend.hide()
             return
         self.summary.setText(
             f"{kv.strategy}: {kv.num_blocks:,} blocks × {kv.block_size} tokens · {kv.num_blocks_used:,} used · "
@@ -111,6 +114,7 @@ class BlockMap(QWidget):
         )
         self.grid.set_states(kv.block_states)
         self.stack.setCurrentWidget(self.grid)
+        self.legend.show()
 
     @property
     def showing_grid(self) -> bool:
@@ -118,6 +122,7 @@ class BlockMap(QWidget):
 
     def _legend(self) -> QGridLayout:
         grid = QGridLayout()
+        grid.setContentsMargins(0, 0, 0, 0)
         grid.setHorizontalSpacing(12)
         grid.setVerticalSpacing(2)
         for i, (color, label) in enumerate(zip(BLOCK_COLORS, BLOCK_LABELS)):

@@ -26,7 +26,6 @@ from app.dialogs import about_html
 from app.engine_client import EngineClient
 from app.menus import Menus
 from app.metrics_panel import MetricsPanel
-from app.pyside_compat import install_refcount_guard
 from app.settings import AppSettings
 from app.status_bar import StatusBar
 from app.style import RESOURCES, load_stylesheet
@@ -39,7 +38,6 @@ class MainWindow(QMainWindow):
     def __init__(self, settings: AppSettings | None = None, engine=None, model: str | None = None,
                  cache: str | None = None, block_size: int | None = None):
         super().__init__()
-        install_refcount_guard()
         self.settings = settings or AppSettings()
         self.info = None
         self.generating = False
@@ -279,7 +277,6 @@ def _footer(done) -> str:
 
 
 def run_gui(args) -> int:
-    install_refcount_guard()
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setOrganizationName("kvscope")
     app.setApplicationName("kvscope")

@@ -77,6 +77,7 @@ class Menus:
         self.clear_plots = self._action(menu, "&Clear plots")
 
     def check(self, strategy: str, block_size: int) -> None:
+        self._block_size_now = block_size  # may be one the menu does not offer (--block-size 1)
         if strategy in self.strategies:
             self.strategies[strategy].setChecked(True)
         if block_size in self.block_sizes:
@@ -85,8 +86,9 @@ class Menus:
             action.setEnabled(strategy.startswith("paged"))
 
     def chosen_cache(self) -> tuple[str, int]:
-        """The strategy and block size checked in the menus."""
-        return self.strategy_group.checkedAction().data(), self.block_size_group.checkedAction().data()
+        """The strategy and block size checked in the menus (or in use, when the menu offers no such size)."""
+        size = self.block_size_group.checkedAction()
+        return self.strategy_group.checkedAction().data(), size.data() if size else self._block_size_now
 
     def set_busy(self, busy: bool) -> None:
         """While a reply streams, actions that replace the conversation or the model wait."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from test_app_support import make_settings, open_window
+from test_app_support import Catch, dispose, make_settings, open_window
 
 from app.dialogs import SamplingDialog, SystemPromptDialog, about_html
 from app.model_info import ModelInfo
@@ -14,7 +14,9 @@ from engine.config import CACHE_STRATEGIES, SamplingParams
 
 @pytest.fixture
 def window(qtbot, tmp_path, tiny_engine_factory):
-    return open_window(qtbot, make_settings(tmp_path), tiny_engine_factory(cache="paged", block_size=16))
+    window = open_window(qtbot, make_settings(tmp_path), tiny_engine_factory(cache="paged", block_size=16))
+    yield window
+    dispose(window)
 
 
 def test_the_menus_offer_every_strategy_and_block_size_as_exclusive_choices(window):
@@ -29,12 +31,12 @@ def test_the_menus_offer_every_strategy_and_block_size_as_exclusive_choices(wind
 
 
 def test_a_block_size_chosen_in_the_menu_is_used_and_remembered(qtbot, window):
-    with qtbot.waitSignal(window.client.signals.loaded, timeout=10_000) as loaded:
+    with Catch(qtbot, window.client.signals.loaded, timeout=10_000) as loaded:
         window.menus.block_sizes[32].trigger()
 
     assert loaded.args[0].block_size == 32 and window.settings.block_size == 32
     assert window.status.text("strategy").endswith("paged · 32")
-    with qtbot.waitSignal(window.client.signals.stats, timeout=10_000) as stats:
+    with Catch(qtbot, window.client.signals.stats, timeout=10_000) as stats:
         window.menus.new_chat.trigger()
     assert stats.args[0].block_size == 32
 
@@ -59,7 +61,7 @@ def test_the_sampling_dialog_round_trips_every_parameter(qtbot):
 
 
 def test_the_system_prompt_applies_to_the_current_chat_and_is_remembered(qtbot, window):
-    with qtbot.waitSignal(window.client.signals.conversation, timeout=10_000) as conversation:
+    with Catch(qtbot, window.client.signals.conversation, timeout=10_000) as conversation:
         window.actions_.set_system_prompt("Answer in French.")
 
     assert conversation.args[0]["system_prompt"] == "Answer in French."

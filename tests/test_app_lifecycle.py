@@ -3,12 +3,11 @@ scripted demo, and the real default model."""
 
 from __future__ import annotations
 
-import gc
 import time
 
 import pytest
 from PySide6.QtCore import QTimer
-from test_app_support import greedy, make_settings, open_window, send, worker_messages
+from test_app_support import Catch, dispose, greedy, make_settings, open_window, send, worker_messages
 
 from app.demo import run_demo
 from app.dialogs import about_html
@@ -18,7 +17,9 @@ from engine.kv.base import BLOCK_OWN
 
 @pytest.fixture
 def window(qtbot, tmp_path, tiny_engine_factory):
-    return open_window(qtbot, make_settings(tmp_path), tiny_engine_factory(cache="paged", block_size=16))
+    window = open_window(qtbot, make_settings(tmp_path), tiny_engine_factory(cache="paged", block_size=16))
+    yield window
+    dispose(window)
 
 
 def test_save_then_open_restores_the_conversation_exactly(qtbot, window, tmp_path):
@@ -28,10 +29,10 @@ def test_save_then_open_restores_the_conversation_exactly(qtbot, window, tmp_pat
     path = str(tmp_path / "chat.json")
     assert window.actions_.save_file(path)
 
-    with qtbot.waitSignal(window.client.signals.conversation, timeout=10_000):
+    with Catch(qtbot, window.client.signals.conversation, timeout=10_000):
         window.new_chat()
     assert window.chat.messages == [] and worker_messages(window) == []
-    with qtbot.waitSignal(window.client.signals.conversation, timeout=10_000):
+    with Catch(qtbot, window.client.signals.conversation, timeout=10_000):
         assert window.actions_.open_file(path)
 
     assert window.snapshot == saved
@@ -60,7 +61,7 @@ def test_a_bad_model_path_shows_an_error_and_keeps_the_model_and_the_conversatio
     send(qtbot, window, "Keep me too")
     before = window.chat.message_texts()
 
-    with qtbot.waitSignal(window.client.signals.error, timeout=60_000):
+    with Catch(qtbot, window.client.signals.error, timeout=60_000):
         window.load_model(model.format(tmp=tmp_path))
 
     assert reason in window.chat.error_text
@@ -86,7 +87,7 @@ def test_a_failed_generation_shows_an_error_and_keeps_the_conversation(qtbot, wi
 def test_a_new_chat_clears_the_view_and_releases_the_blocks(qtbot, window):
     send(qtbot, window, "Fill the pool")
 
-    with qtbot.waitSignal(window.client.signals.stats, timeout=10_000) as stats:
+    with Catch(qtbot, window.client.signals.stats, timeout=10_000) as stats:
         window.menus.new_chat.trigger()
 
     assert window.chat.messages == []
@@ -113,14 +114,15 @@ def test_the_window_stays_responsive_during_a_long_generation(qtbot, window):
 
 def test_closing_during_generation_cancels_and_stops_the_thread_cleanly(qtbot, qtlog, tmp_path, tiny_engine_factory):
     window = open_window(qtbot, make_settings(tmp_path), tiny_engine_factory(), max_new_tokens=5000)
-    window.send("A very long answer please")
-    qtbot.waitUntil(lambda: len(window.chat.messages[-1].text) > 10, timeout=60_000)
+    try:
+        window.send("A very long answer please")
+        qtbot.waitUntil(lambda: len(window.chat.messages[-1].text) > 10, timeout=60_000)
 
-    window.close()
+        window.close()
 
-    assert not window.client.thread.isRunning()
-    qtbot.wait(50)
-    gc.collect()
+        assert not window.client.thread.isRunning()
+    finally:
+        dispose(window)
     assert not [r for r in qtlog.records if "QThread" in r.message]
 
 
@@ -138,31 +140,32 @@ def test_the_scripted_demo_sends_each_prompt_and_saves_a_screenshot(qtbot, windo
 @pytest.mark.default_model
 def test_a_turn_on_the_default_model_fills_in_its_numbers(qtbot, tmp_path, default_engine):
     window = open_window(qtbot, make_settings(tmp_path), default_engine, max_new_tokens=6)
+    try:
+        done = send(qtbot, window, "What is 2 + 2?").done[0]
+        window.metrics.refresh()
 
-    done = send(qtbot, window, "What is 2 + 2?").done[0]
-    window.metrics.refresh()
-
-    assert done.n_generated_tokens == 6 and done.text.strip()
-    assert window.chat.messages[-1].text == done.text
-    formula = "2 × 4 B/element × 30 layers × 3 KV heads × 64 head_dim = 46,080 bytes/token"
-    assert formula in window.metrics.figures_text and formula in about_html(window.info)
-    assert "3× smaller than multi-head" in window.metrics.figures_text
-    assert window.block_map.showing_grid
-    qtbot.waitUntil(lambda: window.block_map.grid.states.count(BLOCK_OWN) > 0, timeout=5000)
-    assert len(window.metrics.log.rows) == done.n_generated_tokens  # one prefill step + five decode steps
-    window.close()
+        assert done.n_generated_tokens == 6 and done.text.strip()
+        assert window.chat.messages[-1].text == done.text
+        formula = "2 × 4 B/element × 30 layers × 3 KV heads × 64 head_dim = 46,080 bytes/token"
+        assert formula in window.metrics.figures_text and formula in about_html(window.info)
+        assert "3× smaller than multi-head" in window.metrics.figures_text
+        assert window.block_map.showing_grid
+        qtbot.waitUntil(lambda: window.block_map.grid.states.count(BLOCK_OWN) > 0, timeout=5000)
+        assert len(window.metrics.log.rows) == done.n_generated_tokens  # one prefill step + five decode steps
+    finally:
+        dispose(window)
 
 
 @pytest.mark.default_model
 def test_loading_the_default_model_shows_progress_and_then_the_model(qtbot, tmp_path):
     window = MainWindow(settings=make_settings(tmp_path))  # loads the default model on the worker thread
-    qtbot.addWidget(window)
+    try:
+        assert window.loading and not window.status.progress.isHidden()
+        assert not window.chat.input.isEnabled()
+        qtbot.waitUntil(lambda: window.info is not None, timeout=300_000)
 
-    assert window.loading and not window.status.progress.isHidden()
-    assert not window.chat.input.isEnabled()
-    qtbot.waitUntil(lambda: window.info is not None, timeout=300_000)
-
-    assert window.info.model_name.startswith("SmolLM2-135M") and window.info.num_kv_heads == 3
-    assert window.status.progress.isHidden() and window.chat.input.isEnabled()
-    assert window.status.text("model") == window.info.model_name
-    window.close()
+        assert window.info.model_name.startswith("SmolLM2-135M") and window.info.num_kv_heads == 3
+        assert window.status.progress.isHidden() and window.chat.input.isEnabled()
+        assert window.status.text("model") == window.info.model_name
+    finally:
+        dispose(window)

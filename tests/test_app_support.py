@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from PySide6.QtCore import QObject, QSettings
+import gc
+
+import shiboken6
+from PySide6.QtCore import QCoreApplication, QEvent, QObject, QSettings
 
 from app.main_window import MainWindow
 from app.settings import AppSettings
@@ -28,12 +31,25 @@ def greedy(max_new_tokens: int = 12) -> SamplingParams:
 
 
 def open_window(qtbot, settings: AppSettings, engine, max_new_tokens: int = 12) -> MainWindow:
-    window = MainWindow(settings=settings, engine=engine)
-    qtbot.addWidget(window)
+    window = MainWindow(settings=settings, engine=engine)  # the caller disposes of it (see dispose)
     window.sampling_override = greedy(max_new_tokens)
     window.show()
     qtbot.waitUntil(lambda: window.info is not None and bool(window.snapshot), timeout=TURN_TIMEOUT_MS)
     return window
+
+
+def dispose(window) -> None:
+    """Close the window, destroy it and collect its garbage now, while no worker thread runs.
+
+    Left to qtbot's deleteLater and to the garbage collector, an old window would be destroyed at some random
+    moment of a later test, while that test's worker thread is emitting: a needless source of flakiness.
+    """
+    if not shiboken6.isValid(window):
+        return
+    window.close()
+    window.deleteLater()
+    QCoreApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete.value)
+    gc.collect()
 
 
 class Recorder(QObject):
@@ -72,6 +88,34 @@ class Recorder(QObject):
     def close(self) -> None:
         for signal, slot in self._pairs:
             signal.disconnect(slot)
+
+
+class Catch(QObject):
+    """`with Catch(qtbot, signal) as caught: ...` waits, after the block, for one emission of a worker signal.
+
+    A QObject receiver, so the emission from the worker thread is queued to this one (pytest-qt's waitSignal
+    connects a plain callable, which is fine for signals of this thread but not for the worker's).
+    """
+
+    def __init__(self, qtbot, signal, timeout: int = TURN_TIMEOUT_MS):
+        super().__init__()
+        self.qtbot, self.signal, self.timeout = qtbot, signal, timeout
+        self.args: list | None = None
+
+    def _on_signal(self, *args) -> None:
+        if self.args is None:
+            self.args = list(args)
+
+    def __enter__(self) -> Catch:
+        self.signal.connect(self._on_signal)
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        try:
+            if kind is None:
+                self.qtbot.waitUntil(lambda: self.args is not None, timeout=self.timeout)
+        finally:
+            self.signal.disconnect(self._on_signal)
 
 
 def run_turn(qtbot, window, start, timeout: int = TURN_TIMEOUT_MS, expect_error: bool = False) -> Recorder:

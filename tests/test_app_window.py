@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import pytest
 from PySide6.QtCore import Qt
-from test_app_support import greedy, make_settings, open_window, run_turn, send, worker_messages
+from test_app_support import Catch, dispose, greedy, make_settings, open_window, run_turn, send, worker_messages
 
 from engine.kv.base import BLOCK_OWN
 
 
 @pytest.fixture
 def window(qtbot, tmp_path, tiny_engine_factory):
-    return open_window(qtbot, make_settings(tmp_path), tiny_engine_factory(cache="paged", block_size=16))
+    window = open_window(qtbot, make_settings(tmp_path), tiny_engine_factory(cache="paged", block_size=16))
+    yield window
+    dispose(window)
 
 
 def test_sending_a_message_streams_tokens_into_the_view(qtbot, window):
@@ -30,7 +32,7 @@ def test_sending_a_message_streams_tokens_into_the_view(qtbot, window):
 def test_enter_in_the_input_box_sends_and_the_button_turns_into_stop(qtbot, window):
     window.chat.input.setPlainText("Hi from the keyboard")
 
-    with qtbot.waitSignal(window.client.signals.finished, timeout=120_000):
+    with Catch(qtbot, window.client.signals.finished, timeout=120_000):
         qtbot.keyClick(window.chat.input, "\r")
         assert window.chat.send_button.text() == "Stop"
     qtbot.waitUntil(lambda: window.chat.send_button.text() == "Send", timeout=10_000)
