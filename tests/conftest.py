@@ -54,3 +54,13 @@ def default_engine(default_weights) -> Engine:
     """The real SmolLM2-135M-Instruct (paged cache); tests switch strategy with set_cache."""
     model = LlamaModel.from_hf_state_dict(default_weights.config, default_weights.state_dict)
     return Engine(model, default_weights.tokenizer, EngineConfig(cache="paged"), default_weights.name)
+
+
+@pytest.fixture
+def window(qtbot, tmp_path, tiny_engine_factory):
+    """The main window on a tiny paged engine, with settings in tmp_path; torn down after the test."""
+    from test_app_support import dispose, make_settings, open_window
+
+    window = open_window(qtbot, make_settings(tmp_path), tiny_engine_factory(cache="paged", block_size=16))
+    yield window
+    dispose(window)

@@ -3,20 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from test_app_support import Catch, dispose, make_settings, open_window
+from test_app_support import Catch
 
 from app.dialogs import SamplingDialog, SystemPromptDialog, about_html
 from app.model_info import ModelInfo
 from app.settings import MENU_BLOCK_SIZES
 from app.style import default_system_prompt, human_bytes
 from engine.config import CACHE_STRATEGIES, SamplingParams
-
-
-@pytest.fixture
-def window(qtbot, tmp_path, tiny_engine_factory):
-    window = open_window(qtbot, make_settings(tmp_path), tiny_engine_factory(cache="paged", block_size=16))
-    yield window
-    dispose(window)
 
 
 def test_the_menus_offer_every_strategy_and_block_size_as_exclusive_choices(window):

@@ -15,13 +15,6 @@ from app.main_window import MainWindow
 from engine.kv.base import BLOCK_OWN
 
 
-@pytest.fixture
-def window(qtbot, tmp_path, tiny_engine_factory):
-    window = open_window(qtbot, make_settings(tmp_path), tiny_engine_factory(cache="paged", block_size=16))
-    yield window
-    dispose(window)
-
-
 def test_save_then_open_restores_the_conversation_exactly(qtbot, window, tmp_path):
     send(qtbot, window, "First question")
     send(qtbot, window, "Second question")

@@ -5,16 +5,9 @@ from __future__ import annotations
 
 import pytest
 from PySide6.QtCore import Qt
-from test_app_support import Catch, dispose, greedy, make_settings, open_window, run_turn, send, worker_messages
+from test_app_support import Catch, greedy, run_turn, send, worker_messages
 
 from engine.kv.base import BLOCK_OWN
-
-
-@pytest.fixture
-def window(qtbot, tmp_path, tiny_engine_factory):
-    window = open_window(qtbot, make_settings(tmp_path), tiny_engine_factory(cache="paged", block_size=16))
-    yield window
-    dispose(window)
 
 
 def test_sending_a_message_streams_tokens_into_the_view(qtbot, window):
