@@ -122,9 +122,6 @@ class Engine:
     def cancel(self) -> None:
         self._cancel.set()
 
-    def count_tokens(self, text: str) -> int:
-        return len(self.tokenizer.encode(text, add_special_tokens=False))
-
     # ---- generation
     def generate(self, conv: Conversation, user_message: str | None,
                  params: SamplingParams | None = None) -> Iterator[Event]:
