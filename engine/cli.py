@@ -78,13 +78,15 @@ def run_chat(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     conv = engine.new_conversation(args.system)
+    status = 0
     try:
         for message in _messages(args):
-            for ev in engine.generate(conv, message, params):
-                _print_event(ev, args.json)
-    except (PromptTooLong, KVCacheFull, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+            try:
+                for ev in engine.generate(conv, message, params):
+                    _print_event(ev, args.json)
+            except (PromptTooLong, KVCacheFull, ValueError) as e:  # the conversation is unchanged: go on
+                print(f"error: {e}", file=sys.stderr)
+                status = 1
     except KeyboardInterrupt:
         return 130
-    return 0
+    return status
