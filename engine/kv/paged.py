@@ -102,8 +102,12 @@ class PagedCache(KVCache):
         used = table[: -(-length // bs)]
         if all(b == used[0] + i for i, b in enumerate(used)):
             return slice(used[0] * bs, used[0] * bs + length)
-        blocks = torch.tensor(used, device=self.device)
-        return (blocks[:, None] * bs + torch.arange(bs, device=self.device)).flatten()[:length]
+        return self.block_slots(torch.tensor(used, device=self.device))[:length]
+
+    def block_slots(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Slots of the given physical blocks, in order: [len(blocks) * block_size]."""
+        bs = self.block_size
+        return (blocks[:, None] * bs + torch.arange(bs, device=self.device)).flatten()
 
     # ---- preparing a sequence: reuse what is held, or what the prefix cache has
     def prepare(self, seq_id, token_ids):

@@ -94,9 +94,8 @@ class PagedInt8Cache(PagedCache):
 
     def _store_blocks(self, layer: int, blocks: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         h, n, d = k.shape
-        bs = self.block_size
-        slots = (blocks[:, None] * bs + torch.arange(bs, device=self.device)).flatten()
-        k_q, k_scale = quant.quantize_keys(k.view(h, n // bs, bs, d))
+        slots = self.block_slots(blocks)
+        k_q, k_scale = quant.quantize_keys(k.view(h, n // self.block_size, self.block_size, d))
         v_q, v_scale = quant.quantize_values(v)
         self.k[layer].index_copy_(1, slots, k_q.view(h, n, d))
         self.k_scale[layer].index_copy_(1, blocks, k_scale)
@@ -118,10 +117,8 @@ class PagedInt8Cache(PagedCache):
         n = full * bs
         blocks, slots = self._held_blocks(table, full)
         k_q, v_q = take(self.k[layer], slots), take(self.v[layer], slots)  # [Hkv, n, D] int8
-        k_scale = take(self.k_scale[layer], blocks).float()  # [Hkv, full, D]
-        v_scale = take(self.v_scale[layer], slots).float()  # [Hkv, n]
-        torch.mul(k_q.view(h, full, bs, d), k_scale[:, :, None], out=keys[:, :n].view(h, full, bs, d))
-        torch.mul(v_q, v_scale[..., None], out=values[:, :n])
+        quant.dequantize_keys(k_q.view(h, full, bs, d), take(self.k_scale[layer], blocks), self.dtype, keys[:, :n])
+        quant.dequantize_values(v_q, take(self.v_scale[layer], slots), self.dtype, values[:, :n])
         keys[:, n:length] = window[0, layer, :, : length - n]
         values[:, n:length] = window[1, layer, :, : length - n]
 
@@ -147,11 +144,11 @@ class PagedInt8Cache(PagedCache):
         rest = keep % bs
         if rest and was_full:
             window = self.windows[self._seq_id(seq)]
-            table = seq.blocks[: keep // bs + 1]
+            block = [seq.blocks[keep // bs]]  # dequantize just that block (it is full: no window part)
             for layer in range(self.config.num_layers):
-                k, v = self.read_keys_values(layer, table, window, len(table) * bs)
-                window[0, layer, :, :rest] = k[:, (len(table) - 1) * bs:][:, :rest]
-                window[1, layer, :, :rest] = v[:, (len(table) - 1) * bs:][:, :rest]
+                k, v = self.read_keys_values(layer, block, window, bs)
+                window[0, layer, :, :rest] = k[:, :rest]
+                window[1, layer, :, :rest] = v[:, :rest]
         super()._keep_tokens(seq, keep)
 
     def _seq_id(self, seq: Sequence) -> int:

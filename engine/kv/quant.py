@@ -24,10 +24,13 @@ def quantize_keys(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def dequantize_keys(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """int8 [H, G, T, D], scales [H, G, D] -> [H, G * T, D]."""
+def dequantize_keys(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """int8 [H, G, T, D], scales [H, G, D] -> [H, G * T, D], in one pass (into `out` when given)."""
     h, g, t, d = q.shape
-    return (q.to(dtype) * scale.to(dtype)[:, :, None]).view(h, g * t, d)
+    out = torch.empty(h, g * t, d, dtype=dtype, device=q.device) if out is None else out
+    torch.mul(q, scale.to(dtype)[:, :, None], out=out.view(h, g, t, d))
+    return out
 
 
 def quantize_values(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,6 +40,8 @@ def quantize_values(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def dequantize_values(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """int8 [H, N, D], scales [H, N] -> [H, N, D]."""
-    return q.to(dtype) * scale.to(dtype)[..., None]
+def dequantize_values(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """int8 [H, N, D], scales [H, N] -> [H, N, D], in one pass (into `out` when given)."""
+    out = torch.empty(q.shape, dtype=dtype, device=q.device) if out is None else out
+    return torch.mul(q, scale.to(dtype)[..., None], out=out)
