@@ -117,6 +117,16 @@ class KVCache(ABC):
         """The forward of `view` succeeded: the new tokens are now held."""
 
     @abstractmethod
+    def truncate(self, seq_id: int, keep: int) -> None:
+        """Keep the first `keep` tokens of the sequence and drop the rest (rollback of rejected drafts, a
+        regenerated reply, an edited message). Raises KVCacheFull with nothing changed when it cannot."""
+
+    def check_truncate(self, seq_id: int, keep: int) -> None:
+        held = self.tokens_held(seq_id)
+        if not 0 <= keep <= held:
+            raise ValueError(f"cannot keep {keep} tokens of sequence {seq_id}: it holds {held}")
+
+    @abstractmethod
     def release(self, seq_id: int) -> None:
         """Forget the sequence; its memory is reusable at once."""
 

@@ -75,6 +75,11 @@ class ContiguousCache(KVCache):
         for buf, end in zip(view.buffers, view.kv_len):
             buf.length = end
 
+    def truncate(self, seq_id, keep):
+        self.check_truncate(seq_id, keep)
+        if seq_id in self.reservations:
+            self.reservations[seq_id].length = keep
+
     def release(self, seq_id):
         self.reservations.pop(seq_id, None)
 

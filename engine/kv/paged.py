@@ -134,6 +134,12 @@ class PagedCache(KVCache):
             seq.tokens += chunk
             parent = h
 
+    def truncate(self, seq_id, keep):
+        self.check_truncate(seq_id, keep)
+        seq = self.seqs.get(seq_id)
+        if seq is not None and keep < len(seq.tokens):
+            self._truncate(seq, keep)
+
     def _truncate(self, seq: Sequence, keep: int) -> None:
         bs = self.block_size
         n_blocks = -(-keep // bs)

@@ -31,6 +31,13 @@ class RecomputeCache(KVCache):
         for seq_id, n in zip(view.seq_ids, view.n_new):
             self.context_tokens[seq_id] = n
 
+    def truncate(self, seq_id, keep):
+        """Nothing is held: only the context the figures report shrinks; the next step recomputes its input."""
+        context = self.context_tokens.get(seq_id, 0)
+        if not 0 <= keep <= context:
+            raise ValueError(f"cannot keep {keep} tokens of sequence {seq_id}: its context is {context}")
+        self.context_tokens[seq_id] = keep
+
     def release(self, seq_id):
         self.context_tokens.pop(seq_id, None)
 
