@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("names", nargs="*", metavar="NAME", help="benchmarks to run (default: all)")
     bench.add_argument("--out", default="bench-out", help="output folder")
     bench.add_argument("--quick", action="store_true", help="a reduced run that finishes in a few minutes")
+    bench.add_argument("--tiny", action="store_true",
+                       help="a smoke run: a tiny random model, --quick sizes (every code path; numbers mean nothing)")
     bench.add_argument("--model", help="a .gguf file or a Hugging Face model folder")
     return parser
 

@@ -1,5 +1,6 @@
-"""The benchmark suite: a --quick smoke run of every benchmark (files and keys, no timing assertions), and
-unit tests of the workload generator, the roofline byte count and the target verdicts."""
+"""The benchmark suite: a smoke run of every benchmark in the suite on a tiny random model (`bench --tiny`: every
+code path, files and keys, no timing assertions; the real model's numbers are `make bench`'s job), and unit tests of
+the workload generator, the roofline byte count and the target verdicts."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import numpy as np
 import pytest
 
 from engine.bench import roofline, targets
-from engine.bench.suite import run_bench
+from engine.bench.common import load_context
+from engine.bench.suite import BENCHMARKS, run_bench
 from engine.bench.workload import WorkloadShape, describe, make_workload
 from engine.config import ModelConfig
 from engine.model import LlamaModel
@@ -23,16 +25,27 @@ SMALL = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=
              head_dim=16)
 
 
-@pytest.mark.default_model
-def test_the_quick_bench_runs_every_benchmark_and_writes_every_file(tmp_path):
-    out = tmp_path / "bench"
-    cmd = [sys.executable, "main.py", "bench", "--quick", "--out", str(out)]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=2400)
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, tokenizer):  # tokenizer: the default model is converted before the subprocess
+    out = tmp_path_factory.mktemp("bench")
+    cmd = [sys.executable, "main.py", "bench", "--tiny", "--out", str(out)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
-    plots = [f"{name}.png" for name in ("recompute", "decode", "prefill", "turns", "memory", "concurrency", "quality")]
-    for name in ("results.json", "summary.md", *plots):
+    return out, json.loads((out / "results.json").read_text())
+
+
+def test_the_tiny_bench_runs_every_benchmark_of_the_suite_without_an_error(tiny_run):
+    out, results = tiny_run
+    assert results["benchmarks_run"] == list(BENCHMARKS)
+    assert {name: r.get("error") for name, r in results["benchmarks"].items()} == dict.fromkeys(BENCHMARKS)
+    assert not [name for name, r in results["benchmarks"].items() if "plot_error" in r]
+    for name in ("results.json", "summary.md", *(f"{name}.png" for name in BENCHMARKS)):
         assert (out / name).stat().st_size > 0, name
-    results = json.loads((out / "results.json").read_text())
+    assert results["tiny"] and results["quick"] and results["machine"]["model"] == "tiny-random"
+
+
+def test_the_tiny_bench_writes_the_figures_the_summary_and_the_targets_read(tiny_run):
+    out, results = tiny_run
     assert {"cpu", "cores", "torch", "device", "model_dtype", "cache_dtypes"} <= set(results["machine"])
     memory, concurrency = results["benchmarks"]["memory"], results["benchmarks"]["concurrency"]
     assert {"rows", "grouped_query", "seven_b", "formula_by_dtype"} <= set(memory)
@@ -40,10 +53,23 @@ def test_the_quick_bench_runs_every_benchmark_and_writes_every_file(tmp_path):
     names = {c["name"] for c in concurrency["configs"]}
     assert {"contiguous (full context)", "contiguous (prompt + max new)", "paged bs=16", "paged-int8 bs=16"} <= names
     assert {"unsorted", "bucketed"} <= set(concurrency["batched"]["paged bs=16"])
+    assert "transformers" in results["benchmarks"]["decode"]["latency_ms"]  # the peer loaded the tiny folder
     assert any(t["name"].startswith("paged bs=16 utilisation") for t in results["targets"])
-    assert not [name for name, r in results["benchmarks"].items() if "error" in r]
     summary = (out / "summary.md").read_text()
-    assert "## Targets" in summary and "## memory" in summary and "## concurrency" in summary
+    assert "## Targets" in summary and all(f"![{name}]({name}.png)" in summary for name in BENCHMARKS)
+
+
+def test_the_tiny_model_is_a_real_hugging_face_folder_of_the_real_tokenizer(tokenizer):
+    ctx = load_context(None, quick=False, tiny=True)
+    try:
+        assert ctx.tiny and ctx.quick and ctx.gguf_path is None and ctx.hf_folder.name == "tiny-random"
+        assert ctx.engine.model_config.vocab_size == len(tokenizer) and ctx.engine.model_config.num_layers == 2
+        assert ctx.engine.tokenizer.encode("Hello") == tokenizer.encode("Hello")
+        assert ctx.hf_model().config.num_hidden_layers == 2
+    finally:
+        folder = ctx.hf_folder
+        ctx.close()
+    assert not folder.exists()
 
 
 def test_an_unknown_benchmark_name_is_refused_before_loading_anything(tmp_path, capsys):

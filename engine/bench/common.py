@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -32,10 +34,12 @@ SEED = 1234
 @dataclass
 class BenchContext:
     engine: Engine
-    model_arg: str | None  # what --model said (None: the default GGUF)
+    model_arg: str | None  # what --model said (None: the default GGUF); with --tiny, the tiny model's folder
     quick: bool
+    tiny: bool = False  # a tiny random model (smoke runs): every code path runs, the numbers mean nothing
     _hf_model: object | None = field(default=None, repr=False)
     _text_ids: list[int] | None = field(default=None, repr=False)
+    _scratch: tempfile.TemporaryDirectory | None = field(default=None, repr=False)  # holds the tiny model
 
     @property
     def gguf_path(self) -> Path | None:
@@ -63,6 +67,11 @@ class BenchContext:
             self._hf_model = model.to(self.engine.device).eval()
         return self._hf_model
 
+    def close(self) -> None:
+        """Remove the tiny model's folder, if there is one (it also goes when the context is collected)."""
+        if self._scratch is not None:
+            self._scratch.cleanup()
+
     def text_ids(self) -> list[int]:
         """Real English text (the Python docs' topic pages shipped with the standard library), tokenized."""
         if self._text_ids is None:
@@ -70,11 +79,53 @@ class BenchContext:
         return self._text_ids
 
 
-def load_context(model: str | None, quick: bool) -> BenchContext:
+def load_context(model: str | None, quick: bool, tiny: bool = False) -> BenchContext:
+    """The engine every benchmark shares. tiny: a random tiny Llama written as a Hugging Face folder (the real
+    loading path, the real tokenizer, transformers loads it as a peer) and quick sizes: a smoke run."""
+    scratch = None
+    if tiny:
+        scratch = tempfile.TemporaryDirectory(prefix="kvscope-tiny-model-")
+        model = str(write_tiny_model(Path(scratch.name) / "tiny-random", tiny_tokenizer(model)))
+        status(f"a tiny random model in {model} (--tiny: the numbers mean nothing)")
     status("loading the engine")
     config = EngineConfig(cache="paged", pool_tokens=1024)  # each benchmark builds the caches it measures
     engine = Engine.load(model, config, progress=lambda message, _fraction: status(message))
-    return BenchContext(engine, model, quick)
+    return BenchContext(engine, model, quick or tiny, tiny, _scratch=scratch)
+
+
+# ---- a tiny random model for smoke runs: the shape of a Llama, the size of a toy
+TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=8192, rope_theta=10000.0,
+                  rms_norm_eps=1e-5, tie_word_embeddings=True)
+
+
+def write_tiny_model(folder: Path, tokenizer) -> Path:
+    """A seeded random tiny Llama as a Hugging Face folder: config.json, model.safetensors and the tokenizer."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    from engine.config import ModelConfig
+    from engine.model import random_hf_state_dict
+
+    hf = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                     eos_token_id=tokenizer.eos_token_id, **TINY_LLAMA).to_dict()
+    hf["architectures"] = ["LlamaForCausalLM"]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(hf, indent=2))
+    state = random_hf_state_dict(ModelConfig.from_hf_dict(hf), seed=SEED, std=0.1)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
+    tokenizer.save_pretrained(str(folder))
+    return folder
+
+
+def tiny_tokenizer(model: str | None):
+    """The tokenizer of --model (a Hugging Face folder) or of the default model, for the tiny model."""
+    from transformers import AutoTokenizer
+
+    folder = Path(model).expanduser() if model else loader.gguf_cache_folder(loader.default_model_path())
+    if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(str(folder))
+    return loader.load_weights(model).tokenizer  # converts the default GGUF once, then reads its tokenizer
 
 
 def real_text() -> str:

@@ -58,11 +58,11 @@ def run_bench(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     try:
-        ctx = load_context(args.model, args.quick)
+        ctx = load_context(args.model, args.quick, tiny=getattr(args, "tiny", False))
     except ModelLoadError as e:
         print(f"kvscope bench: {e}", file=sys.stderr)
         return 1
-    results = {"machine": machine_info(ctx.engine), "quick": bool(args.quick), "benchmarks_run": names,
+    results = {"machine": machine_info(ctx.engine), "quick": ctx.quick, "tiny": ctx.tiny, "benchmarks_run": names,
                "benchmarks": {}, "seconds": {}, "targets": []}
     started = time.perf_counter()
     for name in bar(names, "benchmarks"):
