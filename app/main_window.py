@@ -28,7 +28,7 @@ from app.menus import Menus
 from app.metrics_panel import MetricsPanel
 from app.settings import AppSettings
 from app.status_bar import StatusBar
-from app.style import RESOURCES, load_stylesheet
+from app.style import RESOURCES, apply_theme
 from app.window_actions import WindowActions
 
 STATUS_REFRESH_MS = 200
@@ -280,7 +280,7 @@ def run_gui(args) -> int:
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setOrganizationName("kvscope")
     app.setApplicationName("kvscope")
-    app.setStyleSheet(load_stylesheet())
+    apply_theme(app)
     app.setWindowIcon(QIcon(str(RESOURCES / "icon.svg")))
     window = MainWindow(model=getattr(args, "model", None), cache=getattr(args, "cache", None),
                         block_size=getattr(args, "block_size", None))
