@@ -1,0 +1,354 @@
+"""Continuous batching: many requests over one Engine and its KV cache, advanced together step by step.
+
+No HTTP here (the server is a thin layer over this). One thread owns the engine: `start()` runs `tick()` in a
+loop on it; any other thread only calls `submit`, `cancel` and `stats`, which are thread-safe.
+
+A request's tokens are its prompt followed by what it generated; the cache holds the first `num_computed` of
+them. A tick feeds every request the tokens it has not computed yet:
+- every request with exactly one token left (decoding) advances in ONE batched `engine.step`;
+- requests still prefilling advance by a chunk (at most `prefill_chunk` tokens each, `max_prefill_tokens`
+  padded tokens per step) in one more batched step, so a long prompt never stalls the others for more than a
+  chunk. Decoding rows are not padded to a chunk's width: that would multiply their matmul rows by the chunk.
+When a request has computed all its tokens, the last logits sample its next token.
+
+Admission (paged caches): the oldest waiting request joins when the blocks it still needs for its tokens and one
+more, added to what the running requests still need the same way, fit the free and cached blocks; the prefix
+cache serves its leading blocks (same system prompt -> shared blocks). When a step still finds the pool full,
+the most recently admitted request is preempted: its blocks are released (its full blocks stay cached), and it
+waits at the head of the queue to be recomputed, so a running request is never failed for lack of blocks. A
+cancelled request releases its blocks at the next tick boundary (the step in flight cannot be interrupted).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.chat import PromptTooLong
+from engine.config import ConfigError, SamplingParams
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv.base import KVCacheFull, KVStats
+from engine.sampler import Sampler
+
+
+@dataclass
+class SchedulerConfig:
+    max_concurrency: int = 16  # running requests at most; the rest wait
+    prefill_chunk: int = 256  # prompt tokens of one request per step
+    max_prefill_tokens: int = 512  # padded tokens (requests x widest chunk) in one prefill step
+
+    def __post_init__(self):
+        for name in ("max_concurrency", "prefill_chunk", "max_prefill_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class Output:
+    """What one request produced in one tick: a token (text may be "" inside a multi-byte character) or its end."""
+
+    request_id: int
+    text: str = ""
+    token_id: int | None = None
+    finish_reason: str | None = None  # "stop", "length", "cancelled" or "error"
+    error: str | None = None
+    n_prompt_tokens: int = 0
+    n_generated_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    ttft_s: float | None = None  # on the first token: seconds since the request was submitted
+    itl_s: float | None = None  # on later tokens: seconds since the previous token
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv: KVStats | None = None
+    prompt_tokens: int = 0  # cumulative, counted once per request
+    generation_tokens: int = 0
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache (on every admission)
+    prefix_hits: int = 0  # of which the cache held
+    num_preemptions: int = 0
+    num_finished: int = 0
+    num_steps: int = 0
+    peak_running: int = 0
+
+
+class StopStrings:
+    """Holds back text that may be the start of a stop string; cuts the reply at the first stop string."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = tuple(s for s in stops if s)
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """-> (text safe to emit, whether a stop string was met)."""
+        buf = self.pending + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.pending = ""
+            return buf[:min(hits)], True
+        keep = max((n for s in self.stops for n in range(1, len(s)) if buf.endswith(s[:n])), default=0)
+        self.pending = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep], False
+
+    def flush(self) -> str:
+        text, self.pending = self.pending, ""
+        return text
+
+
+@dataclass
+class Request:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    sink: Callable[[Output], None]
+    sampler: Sampler
+    detok: IncrementalDetokenizer
+    stops: StopStrings
+    stop_ids: frozenset[int]
+    tokens: list[int] = field(default_factory=list)  # prompt + generated
+    num_computed: int = 0  # leading tokens whose keys and values the cache holds
+    prefix_hit: int = 0
+    submitted: float = 0.0
+    last_token_at: float | None = None
+    counted: bool = False  # prompt tokens counted in the stats
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - len(self.prompt)
+
+    @property
+    def remaining(self) -> int:
+        return len(self.tokens) - self.num_computed
+
+
+class Scheduler:
+    def __init__(self, engine, config: SchedulerConfig | None = None):
+        if not engine.cache.keeps_kv:
+            raise ConfigError("serving needs a cache that keeps keys and values (contiguous, paged, paged-int8)")
+        self.engine = engine
+        self.cache = engine.cache
+        self.config = config or SchedulerConfig()
+        self._check_pool_holds_a_context()
+        self.tokenizer_lock = threading.Lock()  # the tokenizer is shared with the thread that encodes prompts
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._ids = itertools.count(1)
+        self._lock = threading.Condition()
+        self._inbox: list[Request] = []
+        self._cancels: set[int] = set()
+        self._counts = dict(prompt_tokens=0, generation_tokens=0, prefix_queries=0, prefix_hits=0,
+                            num_preemptions=0, num_finished=0, num_steps=0, peak_running=0)
+        self._stats = SchedulerStats()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._publish_stats()
+
+    def _check_pool_holds_a_context(self) -> None:
+        pool = getattr(self.cache, "pool", None)
+        if pool is not None and pool.num_blocks * pool.block_size < self.engine.max_context:
+            raise ConfigError(f"the block pool holds {pool.num_blocks * pool.block_size} tokens, less than one "
+                              f"context ({self.engine.max_context}): one long request could never run")
+
+    # ---- any thread
+    def submit(self, prompt: list[int], params: SamplingParams, sink: Callable[[Output], None],
+               stop: tuple[str, ...] = ()) -> int:
+        """Queue a request; its outputs go to sink(output) on the engine thread. Raises PromptTooLong."""
+        limit = self.engine.max_context
+        if not prompt or len(prompt) >= limit:
+            raise PromptTooLong(f"the prompt has {len(prompt)} tokens; the context holds {limit} "
+                                f"(at least one must be left for the reply)")
+        e = self.engine
+        req = Request(next(self._ids), list(prompt), params, sink, Sampler(params, e.device),
+                      IncrementalDetokenizer(e.tokenizer), StopStrings(tuple(stop)),
+                      frozenset(params.stop_token_ids or e.stop_token_ids), list(prompt),
+                      submitted=time.perf_counter())
+        with self._lock:
+            self._inbox.append(req)
+            self._lock.notify()
+        return req.id
+
+    def cancel(self, request_id: int) -> None:
+        """Stop a request and release its blocks at the next tick boundary (no-op when it has finished)."""
+        with self._lock:
+            self._cancels.add(request_id)
+            self._lock.notify()
+
+    def stats(self) -> SchedulerStats:
+        return self._stats
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="kvscope-scheduler", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the engine thread; requests still queued or running end as cancelled."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join()
+        self._drain_inbox()
+        for req in list(self.running) + list(self.waiting):
+            self._finish(req, "cancelled")
+        self._publish_stats()
+
+    # ---- the engine thread
+    def _loop(self) -> None:
+        while not self._stopping:
+            if not self.tick():
+                with self._lock:
+                    if not self._inbox and not self._cancels and not self._stopping:
+                        self._lock.wait(timeout=0.5)
+
+    def tick(self) -> bool:
+        """Take new requests and cancellations, admit, run one tick of steps. Returns whether anything ran."""
+        self._drain_inbox()
+        self._admit()
+        ran = bool(self.running)
+        decoding = [r for r in self.running if r.remaining == 1]
+        if decoding:
+            self._run_step(decoding, [r.tokens[-1:] for r in decoding])
+        batch, feeds = self._prefill_batch()
+        if batch:
+            self._run_step(batch, feeds)
+        self._publish_stats()
+        return ran
+
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            new, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, set()
+        self.waiting.extend(new)
+        for req in [r for r in (*self.running, *self.waiting) if r.id in cancels]:
+            self._finish(req, "cancelled")
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.config.max_concurrency:
+            req = self.waiting[0]
+            hit = self.cache.prepare(req.id, req.tokens)
+            if not self._fits(req, hit):
+                self.cache.release(req.id)
+                return
+            self.waiting.popleft()
+            req.num_computed = req.prefix_hit = hit
+            self._count_admission(req, hit)
+            self.running.append(req)
+
+    def _fits(self, req: Request, hit: int) -> bool:
+        pool = getattr(self.cache, "pool", None)
+        if pool is None or not self.running:
+            return True  # alone, a request always fits: the pool holds a whole context
+        bs = pool.block_size
+
+        def outstanding(r: Request, held: int) -> int:  # blocks still to allocate for its tokens and one more
+            return -(-(len(r.tokens) + 1) // bs) - -(-held // bs)
+
+        needed = outstanding(req, hit) + sum(outstanding(r, r.num_computed) for r in self.running)
+        return needed <= pool.num_free + pool.num_cached
+
+    def _count_admission(self, req: Request, hit: int) -> None:
+        c = self._counts
+        c["prefix_queries"] += len(req.tokens)
+        c["prefix_hits"] += hit
+        if not req.counted:
+            req.counted = True
+            c["prompt_tokens"] += len(req.prompt)
+        c["peak_running"] = max(c["peak_running"], len(self.running) + 1)
+
+    def _prefill_batch(self) -> tuple[list[Request], list[list[int]]]:
+        batch, feeds, width = [], [], 0
+        for req in (r for r in self.running if r.remaining > 1):
+            n = min(req.remaining, self.config.prefill_chunk)
+            if batch and (len(batch) + 1) * max(width, n) > self.config.max_prefill_tokens:
+                break
+            width = max(width, n)
+            batch.append(req)
+            feeds.append(req.tokens[req.num_computed:req.num_computed + n])
+        return batch, feeds
+
+    def _run_step(self, batch: list[Request], feeds: list[list[int]]) -> None:
+        while batch:
+            try:
+                logits = self.engine.step([r.id for r in batch], feeds)  # [B, V]
+            except KVCacheFull as e:
+                if len(self.running) <= 1:
+                    for req in batch:
+                        self._finish(req, "error", f"the KV cache cannot hold this request: {e}")
+                    return
+                victim = self.running[-1]
+                self._preempt(victim)
+                kept = [i for i, r in enumerate(batch) if r is not victim]
+                batch, feeds = [batch[i] for i in kept], [feeds[i] for i in kept]
+                continue
+            except Exception as e:  # noqa: BLE001 - the batch fails, the engine and the other requests go on
+                for req in batch:
+                    self._finish(req, "error", f"generation failed: {e}")
+                return
+            self._counts["num_steps"] += 1
+            self._after_step(batch, feeds, logits)
+            return
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.cache.release(req.id)
+        req.num_computed = 0
+        self.waiting.appendleft(req)
+        self._counts["num_preemptions"] += 1
+
+    def _after_step(self, batch: list[Request], feeds: list[list[int]], logits) -> None:
+        with self.tokenizer_lock:
+            for i, (req, feed) in enumerate(zip(batch, feeds)):
+                req.num_computed += len(feed)
+                if req.remaining == 0:
+                    self._accept(req, req.sampler(logits[i], req.tokens))
+
+    def _accept(self, req: Request, token: int) -> None:
+        now = time.perf_counter()
+        timing = dict(ttft_s=now - req.submitted) if req.last_token_at is None else dict(itl_s=now - req.last_token_at)
+        req.last_token_at = now
+        if token in req.stop_ids:
+            self._finish(req, "stop", text=req.stops.feed(req.detok.flush())[0] + req.stops.flush(), **timing)
+            return
+        req.tokens.append(token)
+        self._counts["generation_tokens"] += 1
+        text, stopped = req.stops.feed(req.detok.add(token))
+        if stopped:
+            self._finish(req, "stop", text=text, token_id=token, **timing)
+        elif req.num_generated >= req.params.max_new_tokens or len(req.tokens) >= self.engine.max_context:
+            self._finish(req, "length", text=text + req.stops.feed(req.detok.flush())[0] + req.stops.flush(),
+                         token_id=token, **timing)
+        else:
+            self._emit(req, self._output(req, text=text, token_id=token, **timing))
+
+    def _finish(self, req: Request, reason: str, error: str | None = None, **fields) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.cache.release(req.id)
+        self._counts["num_finished"] += 1
+        self._emit(req, self._output(req, finish_reason=reason, error=error, **fields))
+
+    def _emit(self, req: Request, output: Output) -> None:
+        try:
+            req.sink(output)
+        except Exception:  # noqa: BLE001 - a consumer that went away cancels its request, nothing else
+            if not output.finished:
+                self.cancel(req.id)
+
+    def _output(self, req: Request, **fields) -> Output:
+        return Output(req.id, n_prompt_tokens=len(req.prompt), n_generated_tokens=req.num_generated,
+                      prefix_hit_tokens=req.prefix_hit, **fields)
+
+    def _publish_stats(self) -> None:
+        self._stats = SchedulerStats(len(self.running), len(self.waiting), self.cache.stats(), **self._counts)

@@ -1,0 +1,231 @@
+"""Continuous batching over one engine: batched greedy output equals one-at-a-time, chunked prefill, admission
+by free blocks, preemption instead of failure, cancellation, prefix sharing, stop strings, no leaked block."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+from engine_helpers import greedy, one_torch_thread
+
+from engine.chat import PromptTooLong
+from engine.config import ConfigError
+from engine.scheduler import Output, Scheduler, SchedulerConfig, StopStrings
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with one_torch_thread():
+        yield
+
+
+def prompts(n: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 2000) for _ in range(lengths[i % len(lengths)])] for i in range(n)]
+
+
+class Collector:
+    """Outputs per request, in arrival order."""
+
+    def __init__(self):
+        self.outputs: dict[int, list[Output]] = {}
+
+    def sink(self, out: Output) -> None:
+        self.outputs.setdefault(out.request_id, []).append(out)
+
+    def tokens(self, rid: int) -> list[int]:
+        return [o.token_id for o in self.outputs[rid] if o.token_id is not None]
+
+    def final(self, rid: int) -> Output:
+        return self.outputs[rid][-1]
+
+    def done(self, rid: int) -> bool:
+        return bool(self.outputs.get(rid)) and self.outputs[rid][-1].finished
+
+
+def run_all(sched: Scheduler, prompt_list, params, stop=()) -> tuple[Collector, list[int]]:
+    col = Collector()
+    ids = [sched.submit(p, params, col.sink, stop) for p in prompt_list]
+    while not all(col.done(i) for i in ids):
+        sched.tick()
+    return col, ids
+
+
+def alone(engine_factory, prompt, params, **config):
+    sched = Scheduler(engine_factory(**config))
+    col, (rid,) = run_all(sched, [prompt], params)
+    return col.tokens(rid)
+
+
+def test_batched_greedy_outputs_equal_one_at_a_time(tiny_engine_factory):
+    batch = prompts(6, [5, 40, 17, 90, 3, 33])
+    sched = Scheduler(tiny_engine_factory(), SchedulerConfig(prefill_chunk=32))
+    col, ids = run_all(sched, batch, greedy(12))
+    for rid, prompt in zip(ids, batch):
+        assert col.tokens(rid) == alone(tiny_engine_factory, prompt, greedy(12))
+        assert col.final(rid).finish_reason == "length"
+        assert col.final(rid).n_generated_tokens == 12
+    assert sched.stats().peak_running == 6
+
+
+def test_scheduler_output_equals_engine_generate(tiny_engine_factory):
+    engine = tiny_engine_factory()
+    conv = engine.new_conversation("You are terse.")
+    from engine.chat import prompt_ids
+
+    events = list(engine.generate(conv, "Hello there", greedy(10)))
+    expected = [e.token_id for e in events if getattr(e, "token_id", None) is not None]
+    ids = prompt_ids(engine.tokenizer, "You are terse.", conv.messages[:1])
+    sched = Scheduler(tiny_engine_factory())
+    col, (rid,) = run_all(sched, [ids], greedy(10))
+    assert col.tokens(rid) == expected
+
+
+def test_a_long_prompt_is_chunked_and_does_not_stall_decoding(tiny_engine_factory):
+    sched = Scheduler(tiny_engine_factory(), SchedulerConfig(prefill_chunk=64, max_prefill_tokens=64))
+    col = Collector()
+    short = sched.submit(prompts(1, [8])[0], greedy(40), col.sink)
+    sched.tick()  # the short prompt is prefilled: it decodes from now on
+    long_id = sched.submit(prompts(1, [600], seed=1)[0], greedy(4), col.sink)
+    ticks_until_first_long_token = 0
+    while not col.outputs.get(long_id):
+        before = len(col.tokens(short))
+        sched.tick()
+        ticks_until_first_long_token += 1
+        assert len(col.tokens(short)) == before + 1, "the decoding request got a token every tick"
+    assert ticks_until_first_long_token == -(-600 // 64)  # one chunk per tick
+
+
+def test_requests_wait_when_the_pool_is_full_and_all_finish(tiny_engine_factory):
+    engine = tiny_engine_factory(max_context=128, pool_tokens=128)  # 8 blocks of 16
+    sched = Scheduler(engine)
+    batch = prompts(5, [60, 45, 70])
+    col, ids = run_all(sched, batch, greedy(20))
+    assert all(col.final(i).finish_reason == "length" for i in ids)
+    assert sched.stats().peak_running < 5
+    for rid, prompt in zip(ids, batch):
+        assert col.tokens(rid) == alone(tiny_engine_factory, prompt, greedy(20), max_context=128, pool_tokens=128)
+    assert engine.cache.pool.num_used == 0
+    engine.cache.pool.check_invariants()
+
+
+def test_a_full_pool_preempts_the_newest_request_instead_of_failing_one(tiny_engine_factory):
+    engine = tiny_engine_factory(max_context=128, pool_tokens=128)
+    sched = Scheduler(engine)
+    batch = prompts(3, [20])  # 2 blocks each to start, up to 7 each by the end: they cannot all grow
+    col, ids = run_all(sched, batch, greedy(90))
+    assert sched.stats().num_preemptions >= 1
+    assert [col.final(i).finish_reason for i in ids] == ["length"] * 3
+    for rid, prompt in zip(ids, batch):
+        assert col.tokens(rid) == alone(tiny_engine_factory, prompt, greedy(90), max_context=128, pool_tokens=128)
+    assert engine.cache.pool.num_used == 0
+
+
+def test_cancel_releases_blocks_at_the_next_tick(tiny_engine_factory):
+    engine = tiny_engine_factory()
+    sched = Scheduler(engine)
+    col = Collector()
+    rid = sched.submit(prompts(1, [100])[0], greedy(50), col.sink)
+    for _ in range(3):
+        sched.tick()
+    assert engine.cache.pool.num_used > 0
+    sched.cancel(rid)
+    sched.tick()
+    assert col.final(rid).finish_reason == "cancelled"
+    assert engine.cache.pool.num_used == 0
+    assert sched.stats().num_running == 0
+
+
+def test_a_waiting_request_can_be_cancelled(tiny_engine_factory):
+    sched = Scheduler(tiny_engine_factory(), SchedulerConfig(max_concurrency=1))
+    col = Collector()
+    first = sched.submit(prompts(1, [10])[0], greedy(5), col.sink)
+    second = sched.submit(prompts(1, [10], seed=2)[0], greedy(5), col.sink)
+    sched.tick()
+    assert sched.stats().num_waiting == 1
+    sched.cancel(second)
+    while not col.done(first):
+        sched.tick()
+    assert col.final(second).finish_reason == "cancelled" and col.tokens(second) == []
+
+
+def test_same_system_prompt_shares_cached_blocks(tiny_engine_factory):
+    sched = Scheduler(tiny_engine_factory())
+    system = prompts(1, [64])[0]
+    first, (a,) = run_all(sched, [system + [7, 8, 9]], greedy(3))
+    second, (b,) = run_all(sched, [system + [10, 11]], greedy(3))  # the first one's blocks are cached now
+    assert first.final(a).prefix_hit_tokens == 0
+    assert second.final(b).prefix_hit_tokens == 64
+    assert sched.stats().prefix_hits == 64
+
+
+def test_max_concurrency_is_respected(tiny_engine_factory):
+    sched = Scheduler(tiny_engine_factory(), SchedulerConfig(max_concurrency=2))
+    run_all(sched, prompts(5, [10]), greedy(4))
+    assert sched.stats().peak_running == 2
+
+
+def test_stop_strings_cut_the_text_and_hold_back_partial_matches():
+    stops = StopStrings(("END", "##"))
+    assert stops.feed("hello E") == ("hello ", False)
+    assert stops.feed("N") == ("", False)
+    assert stops.feed("X more #") == ("ENX more ", False)
+    assert stops.feed("# tail") == ("", True)
+    assert StopStrings(("x",)).feed("abxcd") == ("ab", True)
+    plain = StopStrings(())
+    assert plain.feed("anything") == ("anything", False) and plain.flush() == ""
+
+
+def test_random_cancellations_leak_no_block(tiny_engine_factory):
+    engine = tiny_engine_factory(max_context=256, pool_tokens=256)
+    sched = Scheduler(engine, SchedulerConfig(max_concurrency=6, prefill_chunk=32))
+    rng = random.Random(3)
+    col = Collector()
+    live: list[int] = []
+    for i in range(120):
+        if rng.random() < 0.5:
+            live.append(sched.submit(prompts(1, [rng.randrange(1, 80)], seed=i)[0], greedy(rng.randrange(1, 30)),
+                                     col.sink))
+        if live and rng.random() < 0.3:
+            sched.cancel(live.pop(rng.randrange(len(live))))
+        sched.tick()
+        engine.cache.pool.check_invariants()
+    while any(not col.done(r) for r in col.outputs) or sched.stats().num_waiting or sched.stats().num_running:
+        sched.tick()
+    assert engine.cache.pool.num_used == 0
+    assert sched.running == [] and not sched.waiting
+
+
+def test_the_thread_serves_submissions_from_other_threads(tiny_engine_factory):
+    sched = Scheduler(tiny_engine_factory())
+    sched.start()
+    try:
+        finished = threading.Event()
+        col = Collector()
+
+        def sink(out):
+            col.sink(out)
+            if out.finished:
+                finished.set()
+
+        rid = sched.submit(prompts(1, [12])[0], greedy(6), sink)
+        assert finished.wait(60)
+        assert len(col.tokens(rid)) == 6
+        assert col.outputs[rid][0].ttft_s is not None and col.outputs[rid][1].itl_s is not None
+    finally:
+        sched.close()
+
+
+def test_bad_input_is_refused_with_a_clear_error(tiny_engine_factory):
+    sched = Scheduler(tiny_engine_factory(max_context=64, pool_tokens=64))
+    with pytest.raises(PromptTooLong, match="context holds 64"):
+        sched.submit(list(range(3, 67)), greedy(1), lambda o: None)
+    with pytest.raises(PromptTooLong):
+        sched.submit([], greedy(1), lambda o: None)
+    with pytest.raises(ConfigError, match="keeps keys and values"):
+        Scheduler(tiny_engine_factory(cache="none"))
+    with pytest.raises(ConfigError, match="less than one context"):
+        Scheduler(tiny_engine_factory(pool_tokens=64))
+    with pytest.raises(ConfigError):
+        SchedulerConfig(max_concurrency=0)
