@@ -7,8 +7,6 @@ of points stay fluid.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer
@@ -17,8 +15,9 @@ from PySide6.QtWidgets import QFrame, QSplitter, QTextBrowser, QVBoxLayout, QWid
 
 from app.figures import figure_rows, figures_html
 from app.model_info import ModelInfo
+from app.plots import PlotBox, make_plot, update_headroom
 from app.step_log import Run, StepLog
-from app.style import PLOT_BACKGROUND, PLOT_FOREGROUND, strategy_color
+from app.style import strategy_color
 
 REFRESH_MS = 120  # one part per tick: each plot and the figures redraw about three times per second
 PARTS = ("latency", "memory", "figures")
@@ -29,35 +28,6 @@ def _pen(color: str, width: float = 1.5, style=Qt.PenStyle.SolidLine, alpha: int
     qcolor = QColor(color)
     qcolor.setAlpha(alpha)
     return pg.mkPen(qcolor, width=width, style=style)
-
-
-class LogAxis(pg.AxisItem):
-    """A log-scale axis labelled at decades, and at 2 and 5 when the range is short: labels never crowd."""
-
-    def logTickValues(self, minVal, maxVal, size, stdTicks):  # noqa: N802, N803 (pyqtgraph override)
-        decades = range(math.floor(minVal), math.ceil(maxVal) + 1)
-
-        def at(multipliers):
-            return [v for d in decades for m in multipliers if minVal <= (v := d + math.log10(m)) <= maxVal]
-
-        labelled, minor = ((2, 5), (3, 4, 6, 7, 8, 9)) if len(decades) <= 3 else ((), (2, 3, 4, 5, 6, 7, 8, 9))
-        return [(1.0, at((1,))), (None, at(labelled)), (None, at(minor))]
-
-
-def _make_plot(title: str, y_label: str, log_y: bool = False) -> pg.PlotWidget:
-    axes = {"left": LogAxis("left")} if log_y else None
-    plot = pg.PlotWidget(background=PLOT_BACKGROUND, axisItems=axes)
-    item = plot.getPlotItem()
-    item.setTitle(title, color=PLOT_FOREGROUND, size="10pt")
-    item.setLabel("bottom", "context position (tokens)", color=PLOT_FOREGROUND)
-    item.setLabel("left", y_label, color=PLOT_FOREGROUND)
-    item.showGrid(x=True, y=True, alpha=0.15)
-    for name in ("left", "bottom"):
-        item.getAxis(name).enableAutoSIPrefix(False)
-        item.getAxis(name).setTextPen(PLOT_FOREGROUND)
-    item.addLegend(offset=(10, 5), labelTextColor=PLOT_FOREGROUND, brush=QColor(27, 29, 35, 170), colCount=2)
-    plot.setMinimumHeight(160)
-    return plot
 
 
 class MetricsPanel(QWidget):
@@ -159,12 +129,13 @@ class MetricsPanel(QWidget):
         self.plots = QWidget(self.splitter)
         plots_layout = QVBoxLayout(self.plots)
         plots_layout.setContentsMargins(0, 0, 0, 0)
-        self.latency_plot = _make_plot("Per-token latency", "ms per token")
-        self.memory_plot = _make_plot("KV cache memory (log scale)", "MiB", log_y=True)
-        self.memory_plot.getPlotItem().setLogMode(y=True)
-        self.memory_plot.getPlotItem().getAxis("left").setStyle(maxTextLevel=1)  # no labels on minor ticks
-        plots_layout.addWidget(self.latency_plot)
-        plots_layout.addWidget(self.memory_plot)
+        self.latency_plot = make_plot("ms per token")
+        self.memory_plot = make_plot("MiB")
+        self.memory_plot.setXLink(self.latency_plot)  # one context position, one column in both plots
+        self.latency_box = PlotBox("Per-token latency (log scale)", self.latency_plot, self.plots)
+        self.memory_box = PlotBox("KV cache memory (log scale)", self.memory_plot, self.plots)
+        plots_layout.addWidget(self.latency_box)
+        plots_layout.addWidget(self.memory_box)
         self.bottom = QSplitter(Qt.Orientation.Horizontal, self.splitter)
         self.figures = QTextBrowser(self.bottom, objectName="figuresText", openLinks=False)
         self.figures.setFrameShape(QFrame.Shape.NoFrame)
@@ -191,11 +162,12 @@ class MetricsPanel(QWidget):
         memory_legend = self.memory_plot.getPlotItem().legend
         latency_legend.clear()
         memory_legend.clear()
-        latency_legend.addItem(pg.PlotDataItem(pen=_pen(STYLE_GREY)), "decode step (line)")
-        latency_legend.addItem(pg.PlotDataItem(pen=_pen(STYLE_GREY, 6, alpha=170)), "prefill (bar over its tokens)")
+        latency_legend.addItem(pg.PlotDataItem(pen=_pen(STYLE_GREY)), "decode step")
+        latency_legend.addItem(pg.PlotDataItem(pen=_prefill_pen(STYLE_GREY)), "prefill, per token, across its tokens")
         memory_legend.addItem(pg.PlotDataItem(pen=_pen(STYLE_GREY, 2)), "allocated")
         memory_legend.addItem(pg.PlotDataItem(pen=_pen(STYLE_GREY, 1.5, Qt.PenStyle.DashLine)), "used")
         memory_legend.addItem(pg.PlotDataItem(pen=_pen(STYLE_GREY, 1.5, Qt.PenStyle.DotLine)), "theoretical")
+        self._sync_legends()
 
     def _items_for(self, run: Run) -> dict[str, pg.PlotDataItem]:
         key = id(run)
@@ -208,16 +180,17 @@ class MetricsPanel(QWidget):
         name = run.strategy if run.index == 0 else None
         items = {
             "decode": pg.PlotDataItem(pen=_pen(color), name=name, connect="finite"),
-            "prefill": pg.PlotDataItem(pen=_pen(color, 6, alpha=170), connect="pairs"),
+            "prefill": pg.PlotDataItem(pen=_prefill_pen(color), connect="pairs", symbol="|", symbolSize=9,
+                                       symbolPen=_pen(color), symbolBrush=color),
             "allocated": pg.PlotDataItem(pen=_pen(color, 2), name=name, connect="finite"),
             "used": pg.PlotDataItem(pen=_pen(color, 1.5, Qt.PenStyle.DashLine), connect="finite"),
             "theoretical": pg.PlotDataItem(pen=_pen(color, 1.5, Qt.PenStyle.DotLine), connect="finite"),
         }
         for key, item in items.items():
-            if key != "prefill":
+            (self.latency_plot if key in ("decode", "prefill") else self.memory_plot).addItem(item)
+            if key != "prefill":  # after addItem, which applies the plot's own (off) downsampling to the item
                 item.setDownsampling(auto=True, method="peak")
                 item.setClipToView(True)
-            (self.latency_plot if key in ("decode", "prefill") else self.memory_plot).addItem(item)
         return items
 
     def _draw(self, run: Run, plot: str) -> None:
