@@ -127,18 +127,30 @@ class Engine:
                  params: SamplingParams | None = None) -> Iterator[Event]:
         """Add the user's message (None: regenerate the last reply) and stream the reply as events.
 
-        On any error the conversation is restored and the sequence's cache released; the engine stays usable.
+        On any error the conversation is restored and the sequence's cache rolled back to what it held
+        before the turn; the engine stays usable.
         """
         params = params or SamplingParams()
         self._cancel.clear()
-        snapshot = conv.snapshot()
+        snapshot, held = conv.snapshot(), self.cache.tokens_held(conv.seq_id)
         try:
             self._add_turn(conv, user_message)
             yield from self._reply(conv, params)
         except BaseException:
             conv.restore(snapshot)
-            self.cache.release(conv.seq_id)
+            self._roll_back(conv.seq_id, held)
             raise
+
+    def _roll_back(self, seq_id: int, held: int) -> None:
+        """After a failed turn the sequence holds the `held` tokens it held before it (blocks the turn filled stay
+        in the prefix cache, free to evict); when that cannot be, it holds nothing."""
+        try:
+            if self.cache.tokens_held(seq_id) >= held:
+                self.cache.truncate(seq_id, held)
+                return
+        except Exception:  # noqa: BLE001 - e.g. no free block for a copy-on-write: fall back to releasing
+            pass
+        self.cache.release(seq_id)
 
     def _add_turn(self, conv: Conversation, user_message: str | None) -> None:
         if user_message is not None:

@@ -271,11 +271,12 @@ def test_a_full_block_pool_fails_the_turn_and_restores_the_conversation(tiny_eng
     conv = engine.new_conversation(SYSTEM)
     first = run_turn(engine, conv, "Hi", greedy(4))
     assert first.done.n_prompt_tokens + 4 < 64
-    before = conv.to_dict()
+    before, held, used = conv.to_dict(), engine.cache.tokens_held(conv.seq_id), engine.kv_stats().num_blocks_used
     with pytest.raises(KVCacheFull):
         run_turn(engine, conv, "Now write a very long answer.", greedy(200))
     assert conv.to_dict() == before
-    assert engine.kv_stats().num_blocks_used == 0  # the failed sequence's blocks went back to the pool
+    assert engine.cache.tokens_held(conv.seq_id) == held  # rolled back to the first turn, which is kept
+    assert engine.kv_stats().num_blocks_used == used  # the blocks the failed turn took went back to the pool
     retry = run_turn(engine, conv, "Now write a very long answer.", greedy(4))
     assert retry.done.finish_reason == "length"
     assert [m.role for m in conv.messages] == ["user", "assistant"] * 2
