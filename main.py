@@ -1,4 +1,4 @@
-"""kvscope: chat with a local LLM and watch its KV cache. Sub-commands: gui (default), chat, bench."""
+"""kvscope: chat with a local LLM and watch its KV cache. Sub-commands: gui (default), chat, bench, serve."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def add_model_options(p: argparse.ArgumentParser, default_cache: str | None = "p
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvscope", description=__doc__)
-    sub = parser.add_subparsers(dest="command", metavar="{gui,chat,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{gui,chat,bench,serve}")
 
     gui = sub.add_parser("gui", help="the desktop chat app (default)")
     add_model_options(gui, default_cache=None)
@@ -44,7 +44,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tiny", action="store_true",
                        help="a smoke run: a tiny random model, --quick sizes (every code path; numbers mean nothing)")
     bench.add_argument("--model", help="a .gguf file or a Hugging Face model folder")
+
+    add_serve_parser(sub)
     return parser
+
+
+def add_serve_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--model", help="a .gguf file or a Hugging Face model folder (default: SmolLM2-135M-Instruct)")
+    serve.add_argument("--cache", choices=CACHE_STRATEGIES, default="paged", help="KV-cache strategy")
+    serve.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=None, help="paged block size (tokens)")
+    serve.add_argument("--pool-tokens", type=int, help="paged pool capacity in tokens (default: one context)")
+    serve.add_argument("--max-concurrency", type=int, default=16, help="requests in the running batch at most")
+    serve.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         from engine.bench.suite import run_bench
 
         return run_bench(args)
+    if command == "serve":
+        from server.run import run_serve
+
+        return run_serve(args)
     if args.command is None:
         args = build_parser().parse_args(["gui", *(argv if argv is not None else sys.argv[1:])])
     from app.main_window import run_gui

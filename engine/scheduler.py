@@ -131,6 +131,22 @@ class Request:
         return len(self.tokens) - self.num_computed
 
 
+def pool_capacity_blocks(cache) -> int | None:
+    """The most blocks a paged cache's pool may hold (a growing pool: its budget); None for other caches."""
+    layout = getattr(cache, "layout", None)
+    if layout is not None:
+        return layout.max_blocks
+    pool = getattr(cache, "pool", None)
+    return None if pool is None else pool.num_blocks
+
+
+def can_allocate(cache, n: int) -> bool:
+    """Whether n more blocks can be had: free, cached (evictable) or, for a growing pool, still to grow."""
+    if hasattr(cache, "can_make_room"):
+        return cache.can_make_room(n)
+    return cache.pool.can_allocate(n)
+
+
 class Scheduler:
     def __init__(self, engine, config: SchedulerConfig | None = None):
         if not engine.cache.keeps_kv:
@@ -154,9 +170,9 @@ class Scheduler:
         self._publish_stats()
 
     def _check_pool_holds_a_context(self) -> None:
-        pool = getattr(self.cache, "pool", None)
-        if pool is not None and pool.num_blocks * pool.block_size < self.engine.max_context:
-            raise ConfigError(f"the block pool holds {pool.num_blocks * pool.block_size} tokens, less than one "
+        blocks = pool_capacity_blocks(self.cache)
+        if blocks is not None and blocks * self.cache.block_size < self.engine.max_context:
+            raise ConfigError(f"the block pool holds {blocks * self.cache.block_size} tokens, less than one "
                               f"context ({self.engine.max_context}): one long request could never run")
 
     # ---- any thread
@@ -254,7 +270,7 @@ class Scheduler:
             return -(-(len(r.tokens) + 1) // bs) - -(-held // bs)
 
         needed = outstanding(req, hit) + sum(outstanding(r, r.num_computed) for r in self.running)
-        return needed <= pool.num_free + pool.num_cached
+        return can_allocate(self.cache, needed)
 
     def _count_admission(self, req: Request, hit: int) -> None:
         c = self._counts

@@ -1,0 +1,77 @@
+"""`main.py serve` as a child process on a free loopback port: for tests and the serve benchmark."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """with ServerProcess(["--model", folder]) as server: server.url ... (stopped, and waited for, on exit)."""
+
+    def __init__(self, args: list[str], api_key: str | None = None, threads: int = 1, log: Path | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.args = [*args, "--port", str(self.port), *(["--api-key", api_key] if api_key else [])]
+        self.env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        self.log = log
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 180.0) -> ServerProcess:
+        out = open(self.log, "wb") if self.log else subprocess.DEVNULL  # noqa: SIM115 - closed in stop()
+        self._out = out
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), "serve", *self.args], cwd=ROOT,
+                                     env=self.env, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with status {self.proc.returncode} before it was ready")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"the server was not ready within {timeout:.0f} s")
+
+    def kill(self) -> None:
+        """Die at once, as a crashed server would (SIGKILL: no graceful shutdown)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if self.log and getattr(self, "_out", None):
+            self._out.close()
+
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

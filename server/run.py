@@ -1,0 +1,32 @@
+"""`main.py serve`: load the engine, start the scheduler's thread, serve HTTP with uvicorn until interrupted."""
+
+from __future__ import annotations
+
+import sys
+
+from engine.config import EngineConfig
+from engine.scheduler import Scheduler, SchedulerConfig
+
+
+def run_serve(args) -> int:
+    import uvicorn
+
+    from engine.engine import Engine
+    from server.app import create_app
+
+    try:
+        config = EngineConfig(cache=args.cache, block_size=args.block_size or 16, pool_tokens=args.pool_tokens)
+        engine = Engine.load(args.model, config)
+        scheduler = Scheduler(engine, SchedulerConfig(max_concurrency=args.max_concurrency))
+    except Exception as e:  # noqa: BLE001 - a clear message and an exit code, not a traceback
+        print(f"kvscope serve: {e}", file=sys.stderr)
+        return 1
+    app = create_app(scheduler, engine.model_name, args.api_key)
+    scheduler.start()
+    print(f"kvscope: serving {engine.model_name} ({engine.cache_strategy}, block size {engine.block_size}, "
+          f"context {engine.max_context}) on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
+    finally:
+        scheduler.close()
+    return 0
