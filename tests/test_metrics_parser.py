@@ -1,0 +1,153 @@
+"""The /metrics parser on expositions written with the names vLLM and llama.cpp's server document, and on
+kvscope's own; what a server does not publish is None (unavailable), never zero."""
+
+from __future__ import annotations
+
+from app.backends.metrics_parser import ServerKV, parse_exposition, server_kv
+
+# vLLM (docs: "Production Metrics"; V1 engine names, model_name label on every series)
+VLLM = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 3.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 1.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.42
+# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 2000.0
+# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 1500.0
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 2000.0
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 640.0
+# TYPE vllm:inter_token_latency_seconds histogram
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.01",model_name="meta-llama/Llama-3.1-8B-Instruct"} 12.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="+Inf",model_name="meta-llama/Llama-3.1-8B-Instruct"} 640.0
+vllm:inter_token_latency_seconds_count{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 640.0
+vllm:inter_token_latency_seconds_sum{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 9.5
+"""
+
+# vLLM before V1: gpu_cache_usage_perc and no prefix-cache counters
+VLLM_V0 = """\
+vllm:num_requests_running{model_name="m"} 2.0
+vllm:num_requests_waiting{model_name="m"} 0.0
+vllm:gpu_cache_usage_perc{model_name="m"} 0.25
+vllm:prompt_tokens_total{model_name="m"} 10.0
+"""
+
+# llama.cpp server with --metrics (tools/server README: "GET /metrics")
+LLAMA_CPP = """\
+# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 6886
+# HELP llamacpp:prompt_seconds_total Prompt process time
+# TYPE llamacpp:prompt_seconds_total counter
+llamacpp:prompt_seconds_total 2903.63
+# HELP llamacpp:tokens_predicted_total Number of generation tokens processed.
+# TYPE llamacpp:tokens_predicted_total counter
+llamacpp:tokens_predicted_total 3469
+# HELP llamacpp:prompt_tokens_seconds Average prompt throughput in tokens/s.
+# TYPE llamacpp:prompt_tokens_seconds gauge
+llamacpp:prompt_tokens_seconds 2.37151
+# HELP llamacpp:kv_cache_usage_ratio KV-cache usage. 1 means 100 percent usage.
+# TYPE llamacpp:kv_cache_usage_ratio gauge
+llamacpp:kv_cache_usage_ratio 0.125
+# HELP llamacpp:kv_cache_tokens KV-cache tokens.
+# TYPE llamacpp:kv_cache_tokens gauge
+llamacpp:kv_cache_tokens 1024
+# HELP llamacpp:requests_processing Number of requests processing.
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 1
+# HELP llamacpp:requests_deferred Number of requests deferred.
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 0
+"""
+
+# newer llama.cpp builds no longer export the KV gauges: usage must come out unavailable, not 0
+LLAMA_CPP_NEW = """\
+llamacpp:prompt_tokens_total 96641
+llamacpp:tokens_predicted_total 23210
+llamacpp:n_decode_total 23381
+llamacpp:n_tokens_max 42094
+llamacpp:requests_processing 0
+llamacpp:requests_deferred 0
+"""
+
+KVSCOPE = """\
+# TYPE kvscope:kv_cache_usage_perc gauge
+kvscope:kv_cache_usage_perc{model_name="SmolLM2"} 0.5
+kvscope:num_requests_running{model_name="SmolLM2"} 4.0
+kvscope:num_requests_waiting{model_name="SmolLM2"} 2.0
+kvscope:prefix_cache_queries_total{model_name="SmolLM2"} 100.0
+kvscope:prefix_cache_hits_total{model_name="SmolLM2"} 64.0
+kvscope:prompt_tokens_total{model_name="SmolLM2"} 100.0
+kvscope:generation_tokens_total{model_name="SmolLM2"} 40.0
+kvscope:kv_blocks_total{model_name="SmolLM2"} 512.0
+kvscope:kv_blocks_used{model_name="SmolLM2"} 256.0
+kvscope:kv_blocks_free{model_name="SmolLM2"} 200.0
+kvscope:kv_blocks_cached{model_name="SmolLM2"} 56.0
+kvscope:kv_cache_bytes_allocated{model_name="SmolLM2"} 3.7748736e+08
+kvscope:kv_cache_bytes_used{model_name="SmolLM2"} 1.8874368e+08
+kvscope:kv_cache_bytes_theoretical{model_name="SmolLM2"} 1.8e+08
+"""
+
+
+def test_vllm_names_are_read():
+    kv = server_kv(VLLM)
+    assert kv.flavour == "vLLM"
+    assert (kv.kv_usage, kv.running, kv.waiting) == (0.42, 3, 1)
+    assert (kv.prefix_queries, kv.prefix_hits, kv.prefix_hit_rate) == (2000, 1500, 0.75)
+    assert (kv.prompt_tokens, kv.generation_tokens) == (2000, 640)
+    assert kv.bytes_allocated is None and kv.blocks_used is None  # vLLM does not publish them
+
+
+def test_older_vllm_names_are_read_and_missing_prefix_counters_are_unavailable():
+    kv = server_kv(VLLM_V0)
+    assert kv.flavour == "vLLM" and kv.kv_usage == 0.25 and kv.running == 2
+    assert kv.prefix_hits is None and kv.prefix_hit_rate is None
+
+
+def test_llama_cpp_names_are_read():
+    kv = server_kv(LLAMA_CPP)
+    assert kv.flavour == "llama.cpp"
+    assert (kv.kv_usage, kv.kv_tokens, kv.running, kv.waiting) == (0.125, 1024, 1, 0)
+    assert (kv.prompt_tokens, kv.generation_tokens) == (6886, 3469)
+    assert kv.prefix_hits is None
+
+
+def test_a_llama_cpp_build_without_kv_gauges_leaves_usage_unavailable():
+    kv = server_kv(LLAMA_CPP_NEW)
+    assert kv.flavour == "llama.cpp" and kv.kv_usage is None and kv.kv_tokens is None
+    assert kv.running == 0 and kv.generation_tokens == 23210
+
+
+def test_kvscope_names_include_the_block_pool():
+    kv = server_kv(KVSCOPE)
+    assert kv.flavour == "kvscope"
+    assert (kv.blocks_total, kv.blocks_used, kv.blocks_free, kv.blocks_cached) == (512, 256, 200, 56)
+    assert kv.bytes_allocated == 377487360 and kv.bytes_theoretical == 1.8e8
+    assert kv.prefix_hit_rate == 0.64
+
+
+def test_an_unknown_exposition_is_all_unavailable():
+    assert server_kv("process_cpu_seconds_total 12.5\n") == ServerKV()
+    assert server_kv("") == ServerKV()
+
+
+def test_labels_escapes_timestamps_and_bad_lines():
+    samples = parse_exposition('m{a="x\\"y",b="1"} 2.5 1700000000000\nbroken line here\nn NaN\nm2 +Inf\nz abc\n')
+    assert samples[0].name == "m" and samples[0].labels == {"a": 'x"y', "b": "1"} and samples[0].value == 2.5
+    assert [s.name for s in samples] == ["m", "n", "m2"]
+
+
+def test_several_series_add_up_but_a_usage_fraction_is_averaged():
+    text = ('vllm:num_requests_running{engine="0"} 2\nvllm:num_requests_running{engine="1"} 3\n'
+            'vllm:kv_cache_usage_perc{engine="0"} 0.2\nvllm:kv_cache_usage_perc{engine="1"} 0.4\n')
+    kv = server_kv(text)
+    assert kv.running == 5 and abs(kv.kv_usage - 0.3) < 1e-12
