@@ -89,11 +89,13 @@ class EngineConfig:
     cache: str = "paged"
     block_size: int = 16
     pool_tokens: int | None = None  # paged pool capacity in tokens; default: the context limit
+    kv_budget_mib: float | None = None  # the most a paged pool grows to; default: one context's worth
     max_context: int | None = None  # default: the model's max_position_embeddings
     device: str | None = None  # default: cuda, then mps, then cpu
     dtype: str | None = None  # default: float16 on cuda/mps, float32 on cpu (measured fastest there)
     num_threads: int | None = None
     decode_dtype: str | None = None  # e.g. "bfloat16": a half-precision weight copy for single-token steps
+    prefix_reuse: bool = True  # keep a conversation's cache between turns and reuse the common prefix
 
     def __post_init__(self):
         self.validate()
@@ -107,9 +109,39 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be positive, got {value}")
+        if self.kv_budget_mib is not None and not self.kv_budget_mib > 0:
+            raise ConfigError(f"the KV budget must be a positive number of MiB, got {self.kv_budget_mib}")
+        if not isinstance(self.prefix_reuse, bool):
+            raise ConfigError(f"prefix_reuse must be True or False, got {self.prefix_reuse!r}")
         for name in ("dtype", "decode_dtype"):
             if getattr(self, name) not in (None, "float32", "float16", "bfloat16"):
                 raise ConfigError(f"{name} must be float32, float16 or bfloat16, got {getattr(self, name)!r}")
+
+
+SPECULATIVE_MODES = ("off", "lookup", "draft")  # draft: a second model set as engine.draft_engine
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding of a generation: draft up to max_draft_tokens, verify them in one forward."""
+
+    mode: str = "off"
+    max_draft_tokens: int = 8
+    max_ngram: int = 3  # prompt lookup matches the last n tokens, n from max_ngram down to min_ngram
+    min_ngram: int = 1
+    adaptive: bool = True  # k follows the recent acceptance rate; speculation stands down when it does not pay
+
+    def __post_init__(self):
+        if self.mode not in SPECULATIVE_MODES:
+            raise ConfigError(f"unknown speculative mode {self.mode!r}; choose one of {', '.join(SPECULATIVE_MODES)}")
+        if not 1 <= self.max_draft_tokens <= 64:
+            raise ConfigError(f"max_draft_tokens must be in 1..64, got {self.max_draft_tokens}")
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ConfigError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram} and {self.max_ngram}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
 
 
 @dataclass
@@ -121,6 +153,7 @@ class SamplingParams:
     max_new_tokens: int = 512
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default=())
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self):
         if self.temperature < 0:

@@ -20,6 +20,7 @@ from engine.kv.paged_int8 import PagedInt8Cache
 from engine.kv.recompute import RecomputeCache
 from engine.model import LlamaModel
 from engine.sampler import Sampler
+from engine.speculative import Speculator
 
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<|end|>")
 PREFILL_CHUNK = 1024
@@ -43,13 +44,21 @@ def pick_dtype(requested: str | None, device: torch.device) -> torch.dtype:
 
 
 def make_cache(strategy: str, engine: Engine, block_size: int, pool_tokens: int | None) -> KVCache:
+    cache = _new_cache(strategy, engine, block_size, pool_tokens)
+    cache.prefix_reuse = engine.config.prefix_reuse
+    return cache
+
+
+def _new_cache(strategy: str, engine: Engine, block_size: int, pool_tokens: int | None) -> KVCache:
     args = (engine.model_config, engine.dtype, engine.device, engine.max_context)
     if strategy == "none":
         return RecomputeCache(*args)
     if strategy == "contiguous":
         return ContiguousCache(*args)
     cls = PagedCache if strategy == "paged" else PagedInt8Cache
-    return cls(*args, block_size=block_size, pool_tokens=pool_tokens)
+    budget = engine.config.kv_budget_mib
+    return cls(*args, block_size=block_size, pool_tokens=pool_tokens,
+               budget_bytes=None if budget is None else int(budget * 2**20))
 
 
 class Engine:
@@ -109,6 +118,21 @@ class Engine:
                                      "block_size": block_size or self.config.block_size})
         self.cache = make_cache(new_config.cache, self, new_config.block_size, new_config.pool_tokens)
         self.config = new_config
+
+    def set_kv_budget(self, mib: float | None) -> None:
+        """The most a paged pool may grow to (None: one context's worth); a new cache, as set_cache builds."""
+        new_config = EngineConfig(**{**self.config.__dict__, "kv_budget_mib": mib})
+        old_config, self.config = self.config, new_config
+        try:
+            self.cache = make_cache(new_config.cache, self, new_config.block_size, new_config.pool_tokens)
+        except ValueError:
+            self.config = old_config
+            raise
+
+    def set_prefix_reuse(self, on: bool) -> None:
+        """Keep each conversation's cache between turns (on) or prefill the whole history every turn (off)."""
+        self.config = EngineConfig(**{**self.config.__dict__, "prefix_reuse": on})
+        self.cache.prefix_reuse = on
 
     def new_conversation(self, system_prompt: str | None = None) -> Conversation:
         return Conversation(system_prompt=system_prompt)
@@ -172,11 +196,15 @@ class Engine:
         text = run.text()
         conv.add("assistant", text, tuple(run.generated))
         yield DoneEvent(text, len(ids), len(run.generated), run.ttft_ms, run.decode_tok_s(),
-                        run.finish_reason, self.cache.name, run.prefix_hit)
+                        run.finish_reason, self.cache.name, run.prefix_hit, *run.decode_counts())
 
     # ---- one forward step, timed
-    def step(self, seq_ids: list[int], new_tokens: list[list[int]], all_logits: bool = False) -> torch.Tensor:
+    def step(self, seq_ids: list[int], new_tokens: list[list[int]], all_logits: bool = False,
+             num_tentative: list[int] | None = None) -> torch.Tensor:
+        """num_tentative[i]: how many of sequence i's trailing new tokens are unverified drafts (the prefix
+        cache does not register a block holding one until a later step or a truncate keeps it)."""
         view = self.cache.begin_step(seq_ids, new_tokens)
+        view.num_tentative = num_tentative
         width = max(len(t) for t in new_tokens)
         ids = torch.tensor([t + [0] * (width - len(t)) for t in new_tokens], device=self.device)  # [B, T]
         logits = self.model(ids, view, all_logits=all_logits)
@@ -189,7 +217,8 @@ class Engine:
 
 
 class _Run:
-    """The state of one reply being generated for one sequence: each forward yields one token."""
+    """The state of one reply being generated for one sequence: each decode step yields one token, or several
+    when speculative decoding verifies drafts (engine.speculative)."""
 
     def __init__(self, engine: Engine, seq_id: int, prompt: list[int], params: SamplingParams):
         self.engine, self.seq_id, self.prompt, self.params = engine, seq_id, prompt, params
@@ -201,6 +230,9 @@ class _Run:
         self.ttft_ms = 0.0
         self.decode_ms = 0.0
         self.finish_reason: str | None = None
+        self.n_decode_steps = self.n_decode_forwards = self.n_drafted = self.n_accepted = 0
+        spec = params.speculative
+        self.speculator = Speculator(engine, seq_id, spec, self.sampler) if spec.enabled else None
 
     def _timed_step(self, tokens: list[int]) -> tuple[int, float]:
         e = self.engine
@@ -217,9 +249,10 @@ class _Run:
         self.generated.append(token)
         return self.detok.add(token)
 
-    def _event(self, phase, pos, n_tokens, ms, hit, token=None, text="") -> StepEvent:
+    def _event(self, phase, pos, n_tokens, ms, hit, token=None, text="", drafted=0, accepted=0) -> StepEvent:
         e = self.engine
-        return StepEvent(phase, pos, n_tokens, ms, e.cache.stats(self.seq_id), hit, e.cache.name, token, text)
+        return StepEvent(phase, pos, n_tokens, ms, e.cache.stats(self.seq_id), hit, e.cache.name, token, text,
+                         drafted, accepted)
 
     def prefill(self) -> Iterator[StepEvent]:
         e, prompt = self.engine, self.prompt
@@ -246,11 +279,49 @@ class _Run:
             elif e._cancel.is_set():
                 self.finish_reason = "cancelled"
             else:
-                feed = self.generated[-1:] if e.cache.keeps_kv else self.prompt + self.generated
-                token, ms = self._timed_step(feed)
-                self.decode_ms += ms
-                text = self._accept(token)
-                yield self._event("decode", context - 1, len(feed), ms, 0, token, text)
+                yield self._speculative_step(context) or self._plain_step(context)
+
+    def _plain_step(self, context: int) -> StepEvent:
+        e = self.engine
+        feed = self.generated[-1:] if e.cache.keeps_kv else self.prompt + self.generated
+        token, ms = self._timed_step(feed)
+        self._count(ms, 1)
+        if self.speculator:
+            self.speculator.policy.record_plain(ms)
+        return self._event("decode", context - 1, len(feed), ms, 0, token, self._accept(token))
+
+    def _speculative_step(self, context: int) -> StepEvent | None:
+        """Draft, verify in one forward, roll back the rejected drafts; None: take a plain step instead."""
+        e = self.engine
+        if self.speculator is None:
+            return None
+        room = min(self.params.max_new_tokens - len(self.generated), e.max_context - context)
+        start = time.perf_counter()
+        result = self.speculator.step(self.prompt + self.generated, room)
+        if result is None:
+            return None
+        e.synchronize()
+        ms = (time.perf_counter() - start) * 1000
+        self.speculator.policy.record_verify(ms, result.n_drafted, result.n_accepted)
+        text, used = "", 0
+        while used < len(result.tokens) and self.finish_reason is None:
+            text += self._accept(result.tokens[used])
+            used += 1
+        if used < len(result.tokens):  # a stop token among the accepted drafts: hold only what was used
+            e.cache.truncate(self.seq_id, len(self.prompt) + len(self.generated))
+        self._count(ms, result.n_forwards, result.n_drafted, used - 1)
+        return self._event("decode", context - 1 + used - 1, result.n_fed, ms, 0, result.tokens[used - 1], text,
+                           result.n_drafted, used - 1)
+
+    def _count(self, ms: float, forwards: int, drafted: int = 0, accepted: int = 0) -> None:
+        self.decode_ms += ms
+        self.n_decode_steps += 1
+        self.n_decode_forwards += forwards
+        self.n_drafted += drafted
+        self.n_accepted += accepted
+
+    def decode_counts(self) -> tuple[int, int, int, int]:
+        return self.n_decode_steps, self.n_decode_forwards, self.n_drafted, self.n_accepted
 
     def text(self) -> str:
         return self.detok.text + self.detok.flush()

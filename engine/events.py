@@ -18,10 +18,21 @@ class StepEvent:
     strategy: str
     token_id: int | None = None  # the token produced by this step
     text: str = ""  # the text that token adds to the reply (decode steps)
+    n_drafted: int = 0  # speculative decoding: draft tokens this step verified (0: a plain step)
+    n_accepted: int = 0  # ...of which the model accepted this many; the step produced n_accepted + 1 tokens
 
     @property
     def per_token_ms(self) -> float:
         return self.latency_ms / max(self.n_tokens, 1)
+
+    @property
+    def n_produced(self) -> int:
+        """Tokens this step added to the reply (the last may be a stop token): 1 for a plain step."""
+        return self.n_accepted + 1 if self.token_id is not None else 0
+
+    @property
+    def ms_per_produced_token(self) -> float:
+        return self.latency_ms / max(self.n_produced, 1)
 
 
 @dataclass(frozen=True)
@@ -43,6 +54,27 @@ class DoneEvent:
     finish_reason: str  # "stop" (end-of-turn token), "length" (max_new_tokens or context), "cancelled"
     strategy: str
     prefix_hit_tokens: int
+    n_decode_steps: int = 0  # decode steps (events) of the reply
+    n_decode_forwards: int = 0  # model forwards they ran (a verify step under paged-int8 may run two)
+    n_drafted: int = 0  # speculative decoding: draft tokens verified over the reply
+    n_accepted: int = 0  # ...and accepted
+
+    @property
+    def n_decode_tokens(self) -> int:
+        """Tokens produced by decode steps (the prefill produced the first; a stop token counts)."""
+        return max(self.n_generated_tokens - 1 + (self.finish_reason == "stop"), 0)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.n_decode_tokens / self.n_decode_forwards if self.n_decode_forwards else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.n_decode_tokens / self.n_decode_steps if self.n_decode_steps else 0.0
 
 
 Event = StepEvent | TrimEvent | DoneEvent

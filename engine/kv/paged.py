@@ -1,8 +1,15 @@
 """'paged': one pool of fixed-size blocks shared by all sequences, block tables, prefix reuse across turns.
 
-Storage is flat per layer, [Hkv, num_blocks * block_size, D]: a token at position p of a sequence lives in slot
-block_table[p // block_size] * block_size + p % block_size. A sequence whose blocks are consecutive is read
-as a slice (no copy); otherwise its slots are gathered.
+The pool grows with the conversations, up to a budget: its storage is a list of chunks (engine/kv/chunks.py),
+each flat per layer, [L, Hkv, chunk_blocks * block_size, D]. Block b lives in chunk c at offset
+o = b - start(c), and the token at position p of a sequence in slot o * block_size + p % block_size of that
+chunk, for b = block_table[p // block_size]. Growth appends a chunk and never moves a block; trailing chunks
+whose blocks are all free are given back when a sequence is released.
+
+Reading: the tokens a sequence holds in one chunk are a slice of it when their blocks are consecutive (no
+copy), otherwise gathered. A sequence within one chunk attends exactly as over a single tensor; one spread
+over several chunks attends over the pieces in place (scores per piece, one softmax), without copying them
+into one tensor.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.config import ConfigError
 from engine.kv.base import (
     BLOCK_CACHED,
     BLOCK_FREE,
@@ -20,8 +28,10 @@ from engine.kv.base import (
     KVCacheFull,
     KVStats,
     StepView,
+    attention,
 )
 from engine.kv.block_pool import BlockPool
+from engine.kv.chunks import FIRST_CHUNK_TOKENS, MAX_CHUNK_TOKENS, ChunkLayout, Piece
 
 
 @dataclass
@@ -40,17 +50,18 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
 
 
 class PagedView(StepView):
+    num_tentative: list[int] | None = None  # per sequence: trailing new tokens that are unverified drafts
+
     def __init__(self, cache: PagedCache, seq_ids, past, n_new, tables: list[list[int]]):
         super().__init__(seq_ids, past, n_new, cache.device)
         self.cache = cache
         self.tables = tables
         dev = cache.device
-        self.write_slots = torch.tensor(
-            [cache.slot(t, p) for t, p0, n in zip(tables, past, n_new) for p in range(p0, p0 + n)], device=dev
-        )
+        self.writes = [(g.chunk, torch.tensor(g.slots, device=dev), None if g.sources is None else
+                        torch.tensor(g.sources, device=dev)) for g in cache.layout.write_groups(tables, past, n_new)]
         width = max(n_new)
         self.valid_index = torch.tensor([i * width + j for i, n in enumerate(n_new) for j in range(n)], device=dev)
-        self.read_slots = [cache.held_slots(t, length) for t, length in zip(tables, self.kv_len)]
+        self.reads = [cache.read_plan(t, length, masked=n > 1) for t, length, n in zip(tables, self.kv_len, n_new)]
 
     def new_tokens_flat(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, H, T, D] -> [H, N, D] holding only the valid (unpadded) new tokens."""
@@ -61,10 +72,62 @@ class PagedView(StepView):
 
     def attend(self, layer, q, k, v):
         c = self.cache
-        c.k[layer].index_copy_(1, self.write_slots, self.new_tokens_flat(k))
-        c.v[layer].index_copy_(1, self.write_slots, self.new_tokens_flat(v))
-        keys, values = c.k[layer], c.v[layer]  # [Hkv, slots, D]
-        return self.attend_each(q, lambda i: (take(keys, self.read_slots[i]), take(values, self.read_slots[i])))
+        new_k, new_v = self.new_tokens_flat(k), self.new_tokens_flat(v)  # [Hkv, N, D]
+        for chunk, slots, sources in self.writes:
+            keys, values = c.chunks[chunk][0][layer], c.chunks[chunk][1][layer]  # [Hkv, chunk slots, D]
+            keys.index_copy_(1, slots, new_k if sources is None else new_k.index_select(1, sources))
+            values.index_copy_(1, slots, new_v if sources is None else new_v.index_select(1, sources))
+        return self.attend_pieces(q, lambda i: [c.read_piece(layer, piece) for piece in self.reads[i].pieces])
+
+    def attend_pieces(self, q: torch.Tensor, pieces_of) -> torch.Tensor:
+        """Like attend_each, for keys and values in pieces: pieces_of(i) -> [(k, v) each [Hkv, S_p, D]]."""
+        def one(i: int, q_i: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+            pieces, k_pos = pieces_of(i), self.reads[i].key_positions
+            if len(pieces) == 1 and k_pos is None:
+                return attention(q_i, pieces[0][0][None], pieces[0][1][None], q_pos)
+            return attention_over_pieces(q_i, pieces, q_pos, k_pos)
+
+        if len(self.seq_ids) == 1:
+            return one(0, q, self.positions)
+        out = torch.zeros_like(q)
+        for i, n in enumerate(self.n_new):
+            out[i:i + 1, :, :n] = one(i, q[i:i + 1, :, :n], self.positions[i:i + 1, :n])
+        return out
+
+
+@dataclass
+class ReadPlan:
+    """Where a sequence's held tokens are: pieces (one per chunk touched), and the position of each key in
+    piece order when that is not 0..S-1 and the step needs it for its causal mask (None otherwise)."""
+
+    pieces: list[tuple[int, slice | torch.Tensor]]  # (chunk, slots in the chunk)
+    key_positions: torch.Tensor | None = None  # [S]
+
+
+def attention_over_pieces(q: torch.Tensor, pieces: list[tuple[torch.Tensor, torch.Tensor]], q_pos: torch.Tensor,
+                          k_pos: torch.Tensor | None) -> torch.Tensor:
+    """Causal grouped-query attention of one sequence whose keys and values lie in several pieces, read in
+    place: the scores of each piece, one softmax over all of them, the values of each piece weighted by it.
+
+    q: [1, Hq, T, D]; pieces: (k, v) pairs, each [Hkv, S_p, D]; q_pos: [1, T]; k_pos: [S] the position of
+    each key in piece order (None: 0..S-1). Returns [1, Hq, T, D].
+    """
+    _, hq, t, d = q.shape
+    hkv = pieces[0][0].shape[0]
+    queries = q.reshape(hkv, hq // hkv * t, d) * d ** -0.5  # [Hkv, G*T, D]: a group's query heads share keys
+    scores = torch.cat([torch.bmm(queries, k.mT) for k, _ in pieces], dim=-1)  # [Hkv, G*T, S]
+    if t > 1:
+        s = scores.shape[-1]
+        k_pos = torch.arange(s, device=q.device) if k_pos is None else k_pos
+        hidden = k_pos[None, :] > q_pos[0, :, None]  # [T, S]
+        scores.view(hkv, -1, t, s).masked_fill_(hidden, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out, start = None, 0
+    for _, v in pieces:
+        weights = probs[:, :, start:start + v.shape[1]]
+        out = torch.bmm(weights, v) if out is None else out.baddbmm_(weights, v)  # [Hkv, G*T, D]
+        start += v.shape[1]
+    return out.view(1, hq, t, d)
 
 
 def take(store: torch.Tensor, index: torch.Tensor | slice) -> torch.Tensor:
@@ -74,47 +137,105 @@ def take(store: torch.Tensor, index: torch.Tensor | slice) -> torch.Tensor:
 
 class PagedCache(KVCache):
     name = "paged"
+    prefix_reuse = True  # False: each turn starts from an empty sequence and ignores the prefix cache
 
     def __init__(self, model_config, dtype, device, max_context, block_size: int = 16,
-                 pool_tokens: int | None = None):
+                 pool_tokens: int | None = None, budget_bytes: int | None = None,
+                 first_chunk_tokens: int = FIRST_CHUNK_TOKENS, max_chunk_tokens: int = MAX_CHUNK_TOKENS):
+        """The pool holds at most pool_tokens and at most budget_bytes (default: one context's worth of
+        tokens). It starts empty and grows in chunks: first_chunk_tokens, then doubling, at most
+        max_chunk_tokens a chunk (first_chunk_tokens >= the budget: one chunk, a single tensor)."""
         super().__init__(model_config, dtype, device, max_context)
         self.block_size = block_size
-        num_blocks = -(-(pool_tokens or max_context) // block_size)
-        self.pool = BlockPool(num_blocks, block_size)
+        max_blocks = self._max_blocks(pool_tokens, budget_bytes)
+        first = min(-(-first_chunk_tokens // block_size), max_blocks)
+        self.layout = ChunkLayout(block_size, max_blocks, first, max(first, max_chunk_tokens // block_size))
+        self.pool = BlockPool(0, block_size)
         self.seqs: dict[int, Sequence] = {}
-        self._allocate_storage(num_blocks * block_size)
+        self.chunks: list[list[torch.Tensor]] = []  # per chunk: its storage tensors, see _chunk_tensors
 
-    def _allocate_storage(self, num_slots: int) -> None:
+    def _max_blocks(self, pool_tokens: int | None, budget_bytes: int | None) -> int:
+        """The budget in blocks: pool_tokens and budget_bytes where given, else one context's worth."""
+        bs, per_block = self.block_size, self.bytes_per_block()
+        if pool_tokens is not None and pool_tokens < 1:
+            raise ConfigError(f"a pool needs room for at least one token, got pool_tokens={pool_tokens}")
+        if budget_bytes is not None and budget_bytes < per_block:
+            raise ConfigError(f"a KV budget of {budget_bytes:,} bytes holds no block: one block of {bs} tokens "
+                             f"takes {per_block:,} bytes")
+        limits = [] if budget_bytes is None else [budget_bytes // per_block]
+        if pool_tokens is not None or budget_bytes is None:
+            limits.append(-(-(pool_tokens or self.max_context) // bs))
+        return min(limits)
+
+    def _chunk_tensors(self, num_blocks: int, device: torch.device | str) -> list[torch.Tensor]:
+        """The storage of a chunk of num_blocks blocks: keys and values, [L, Hkv, num_blocks * block_size, D]."""
         c = self.config
-        shape = (c.num_layers, c.num_kv_heads, num_slots, c.head_dim)
-        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        shape = (c.num_layers, c.num_kv_heads, num_blocks * self.block_size, c.head_dim)
+        return [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(2)]
 
     def storage_tensors(self) -> list[torch.Tensor]:
-        return [self.k, self.v]
+        return [t for chunk in self.chunks for t in chunk]
 
-    def slot(self, table: list[int], position: int) -> int:
-        return table[position // self.block_size] * self.block_size + position % self.block_size
+    # ---- growth and give-back
+    def can_make_room(self, n: int) -> bool:
+        """Whether n blocks can be allocated: free, cached (evicted) or still to grow within the budget."""
+        pool, layout = self.pool, self.layout
+        return n <= pool.num_free + pool.num_cached + layout.max_blocks - layout.num_blocks
 
-    def held_slots(self, table: list[int], length: int) -> torch.Tensor | slice:
-        """Slots of the first `length` tokens: a slice when their blocks are consecutive (read without a copy)."""
-        bs = self.block_size
-        used = table[: -(-length // bs)]
-        if all(b == used[0] + i for i, b in enumerate(used)):
-            return slice(used[0] * bs, used[0] * bs + length)
-        return self.block_slots(torch.tensor(used, device=self.device))[:length]
+    def make_room(self, n: int) -> None:
+        """Grow by whole chunks until n blocks are free, as far as the budget allows; cached blocks are
+        evicted only past it (by the allocation that follows). Raises KVCacheFull with nothing changed."""
+        if not self.can_make_room(n):
+            pool = self.pool
+            raise KVCacheFull(
+                f"the KV budget is reached: {n} blocks needed, {pool.num_free} free and {pool.num_cached} cached "
+                f"of {pool.num_blocks} ({self.layout.max_blocks} at most, {self.budget_bytes() / 2**20:.1f} MiB); "
+                f"release a sequence or raise the KV budget"
+            )
+        while self.pool.num_free < n and self.layout.next_chunk_blocks():
+            self._grow()
 
-    def block_slots(self, blocks: torch.Tensor) -> torch.Tensor:
-        """Slots of the given physical blocks, in order: [len(blocks) * block_size]."""
-        bs = self.block_size
-        return (blocks[:, None] * bs + torch.arange(bs, device=self.device)).flatten()
+    def _grow(self) -> None:
+        tensors = self._chunk_tensors(self.layout.next_chunk_blocks(), self.device)  # may raise: nothing changed
+        self.pool.grow(self.layout.add_chunk())
+        self.chunks.append(tensors)
+
+    def give_back(self) -> int:
+        """Give back trailing chunks whose blocks are all free (not used, not cached); returns the blocks."""
+        returned = 0
+        while self.chunks and self.pool.can_give_back(self.layout.sizes[-1]):
+            self.pool.give_back(self.layout.sizes[-1])
+            returned += self.layout.remove_last_chunk()
+            self.chunks.pop()
+        return returned
+
+    # ---- where the tokens are
+    def read_plan(self, table: list[int], length: int, masked: bool = False) -> ReadPlan:
+        """The pieces holding the first `length` tokens; masked: the step needs the key positions."""
+        pieces = self.layout.pieces(table, length)
+        plan = ReadPlan([(p.chunk, self._slots(p)) for p in pieces])
+        positions = self.layout.key_positions(pieces, length) if masked else None
+        if positions is not None:
+            plan.key_positions = torch.tensor(positions, device=self.device)
+        return plan
+
+    def _slots(self, piece: Piece) -> slice | torch.Tensor:
+        return piece.slots if piece.is_slice else torch.tensor(piece.slots, device=self.device)
+
+    def read_piece(self, layer: int, piece: tuple[int, slice | torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [Hkv, S_p, D] of a piece: a view for a slice, a gather otherwise."""
+        chunk, slots = piece
+        return take(self.chunks[chunk][0][layer], slots), take(self.chunks[chunk][1][layer], slots)
 
     # ---- preparing a sequence: reuse what is held, or what the prefix cache has
     def prepare(self, seq_id, token_ids):
+        if not self.prefix_reuse:
+            PagedCache.release(self, seq_id)  # the blocks only: a subclass keeps its per-sequence state
         seq = self.seqs.get(seq_id)
         if seq is None:
             seq = self.seqs[seq_id] = Sequence()
-            self._share_cached_prefix(seq, token_ids)
+            if self.prefix_reuse:
+                self._share_cached_prefix(seq, token_ids)
         else:
             keep = min(common_prefix_length(seq.tokens, token_ids), len(token_ids) - 1)
             self._truncate(seq, keep)
@@ -139,12 +260,14 @@ class PagedCache(KVCache):
         seq = self.seqs.get(seq_id)
         if seq is not None and keep < len(seq.tokens):
             self._truncate(seq, keep)
+        if seq is not None:
+            self._register_full_blocks(seq, keep)  # drafts that survived a rollback are accepted tokens
 
     def _truncate(self, seq: Sequence, keep: int) -> None:
         bs = self.block_size
         n_blocks = -(-keep // bs)
         partial = keep % bs != 0
-        if partial and self.pool.refcount(seq.blocks[n_blocks - 1]) > 1 and not self.pool.can_allocate(1):
+        if partial and self.pool.refcount(seq.blocks[n_blocks - 1]) > 1 and not self.can_make_room(1):
             raise KVCacheFull("no free block to copy a shared block before rewriting it")
         self.pool.free(seq.blocks[n_blocks:])
         del seq.blocks[n_blocks:]
@@ -158,15 +281,18 @@ class PagedCache(KVCache):
         if self.pool.refcount(block) == 1:
             self.pool.forget(block)
             return block
+        self.make_room(1)
         (copy,) = self.pool.allocate(1)
         self._copy_block(block, copy)
         self.pool.free([block])
         return copy
 
     def _copy_block(self, src: int, dst: int) -> None:
-        bs = self.block_size
-        for t in self.storage_tensors():
-            t[:, :, dst * bs:(dst + 1) * bs] = t[:, :, src * bs:(src + 1) * bs]
+        """Copy a block's storage: each chunk tensor holds a block as `per` entries of its dim 2."""
+        (sc, so), (dc, do) = self.layout.locate(src), self.layout.locate(dst)
+        for s, d in zip(self.chunks[sc], self.chunks[dc]):
+            per = s.shape[2] // self.layout.sizes[sc]  # block_size for tokens, 1 for per-block scales
+            d[:, :, do * per:(do + 1) * per] = s[:, :, so * per:(so + 1) * per]
 
     def _keep_tokens(self, seq: Sequence, keep: int) -> None:
         del seq.tokens[keep:]
@@ -179,11 +305,7 @@ class PagedCache(KVCache):
         for seq, n in zip(seqs, n_new):
             if len(seq.tokens) + n > self.max_context:
                 raise KVCacheFull(f"{len(seq.tokens) + n} tokens exceed the context limit {self.max_context}")
-        if not self.pool.can_allocate(sum(needed)):
-            raise KVCacheFull(
-                f"the block pool is exhausted: {sum(needed)} blocks needed, {self.pool.num_free} free and "
-                f"{self.pool.num_cached} cached of {self.pool.num_blocks}; release a sequence or enlarge the pool"
-            )
+        self.make_room(sum(needed))
         for seq, n in zip(seqs, needed):
             seq.blocks += self.pool.allocate(n) if n else []
         past = [len(seq.tokens) for seq in seqs]
@@ -198,20 +320,30 @@ class PagedCache(KVCache):
         return max(0, -(-(len(seq.tokens) + n) // self.block_size) - len(seq.blocks))
 
     def commit_step(self, view):
-        bs = self.block_size
-        for seq_id, tokens in zip(view.seq_ids, view.new_tokens):
+        tentative = view.num_tentative or [0] * len(view.seq_ids)
+        for seq_id, tokens, unverified in zip(view.seq_ids, view.new_tokens, tentative):
             seq = self.seqs[seq_id]
             seq.tokens += tokens
-            for i in range(len(seq.hashes), len(seq.tokens) // bs):
-                chunk = seq.tokens[i * bs:(i + 1) * bs]
-                h = BlockPool.chain_hash(seq.hashes[-1] if seq.hashes else None, chunk)
-                self.pool.register(seq.blocks[i], h, chunk)
-                seq.hashes.append(h)
+            self._register_full_blocks(seq, len(seq.tokens) - unverified)
+
+    # ---- speculative decoding: a full block enters the prefix cache only once all its tokens are accepted
+    def _register_full_blocks(self, seq: Sequence, accepted: int) -> None:
+        """Hash and register the full blocks within the first `accepted` tokens that are not registered yet.
+
+        Tokens committed as tentative (draft tokens being verified) become accepted when a later step commits
+        on top of them or a truncate keeps them; a truncate that drops them leaves their blocks unhashed."""
+        bs = self.block_size
+        for i in range(len(seq.hashes), accepted // bs):
+            chunk = seq.tokens[i * bs:(i + 1) * bs]
+            h = BlockPool.chain_hash(seq.hashes[-1] if seq.hashes else None, chunk)
+            self.pool.register(seq.blocks[i], h, chunk)
+            seq.hashes.append(h)
 
     def release(self, seq_id):
         seq = self.seqs.pop(seq_id, None)
         if seq is not None:
             self.pool.free(seq.blocks)
+            self.give_back()
 
     def tokens_held(self, seq_id):
         seq = self.seqs.get(seq_id)
@@ -219,7 +351,10 @@ class PagedCache(KVCache):
 
     # ---- figures
     def bytes_per_block(self) -> int:
-        return sum(t.nbytes for t in self.storage_tensors()) // self.pool.num_blocks
+        return sum(t.nbytes for t in self._chunk_tensors(1, "meta"))
+
+    def budget_bytes(self) -> int:
+        return self.layout.max_blocks * self.bytes_per_block()
 
     def stats(self, seq_id=None):
         pool = self.pool
@@ -233,6 +368,7 @@ class PagedCache(KVCache):
             block_size=self.block_size, num_blocks=pool.num_blocks, num_blocks_used=pool.num_used,
             num_blocks_free=pool.num_free, num_blocks_cached=pool.num_cached,
             block_states=self.block_states(seq_id),
+            bytes_budget=self.budget_bytes(), num_blocks_budget=self.layout.max_blocks,
         )
 
     def bytes_allocated(self) -> int:
