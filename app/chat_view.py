@@ -1,8 +1,13 @@
-"""The conversation: a scrolling list of messages, an error banner, and the input box with Send / Stop."""
+"""The conversation: a scrolling list of messages, an error banner, and the input box with Send / Stop.
+
+The list follows the latest message (a new one, and a reply as it streams) until the user scrolls up; then a
+"jump to latest" button floats over the list until they are back at the bottom. Messages sit in a centred column
+no wider than READABLE_CHARS characters, so lines stay readable when the side panel is hidden.
+"""
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtCore import QEvent, Qt, Signal
 from PySide6.QtWidgets import (
     QFrame,
     QHBoxLayout,
@@ -18,6 +23,14 @@ from PySide6.QtWidgets import (
 from app.message_widget import MessageWidget
 
 MAX_INPUT_LINES = 8
+READABLE_CHARS = 100  # the longest line of a message, in average characters of the message font
+FOLLOW_SLACK = 24  # pixels from the bottom that still count as "at the latest message"
+SAMPLE_TEXT = "The quick brown fox jumps over the lazy dog, then reads a KV cache: 0123456789. "
+
+
+def readable_width(font_metrics) -> int:
+    """Pixels of READABLE_CHARS characters of ordinary text in this font."""
+    return round(font_metrics.horizontalAdvance(SAMPLE_TEXT) * READABLE_CHARS / len(SAMPLE_TEXT))
 
 
 class ChatInput(QPlainTextEdit):
@@ -60,7 +73,8 @@ class ChatView(QWidget):
         super().__init__(parent)
         self.messages: list[MessageWidget] = []
         self._generating = False
-        self.setMinimumWidth(420)
+        self.following = True  # the list keeps the latest message in view
+        self.setMinimumWidth(340)
         self._build()
         self._refresh_actions()
 
@@ -77,7 +91,7 @@ class ChatView(QWidget):
         self.messages.append(widget)
         self._placeholder.hide()
         self._refresh_actions()
-        self.scroll_to_bottom()
+        self.follow_latest()
         return widget
 
     def remove_last(self) -> None:
@@ -104,11 +118,9 @@ class ChatView(QWidget):
         return [(m.role, m.text) for m in self.messages]
 
     def append_to_last(self, piece: str) -> None:
+        """Streaming text; the list follows it as it grows unless the user has scrolled up."""
         if self.messages and self.messages[-1].role == "assistant":
-            follow = self._at_bottom()
             self.messages[-1].append_text(piece)
-            if follow:
-                self.scroll_to_bottom()
 
     # --- state ----------------------------------------------------------------------------------------------------
     def set_generating(self, generating: bool) -> None:
@@ -139,8 +151,19 @@ class ChatView(QWidget):
     def error_text(self) -> str:
         return self._error_label.text() if self._error_banner.isVisibleTo(self) else ""
 
-    def scroll_to_bottom(self) -> None:
-        QTimer.singleShot(0, self, self._scroll_now)
+    def follow_latest(self) -> None:
+        """Show the latest message now and keep it in view as the list grows (Send, a new reply, the jump button)."""
+        self.following = True
+        bar = self.scroll.verticalScrollBar()
+        bar.setValue(bar.maximum())
+        self._update_jump_button()
+
+    scroll_to_bottom = follow_latest
+
+    @property
+    def at_bottom(self) -> bool:
+        bar = self.scroll.verticalScrollBar()
+        return bar.value() >= bar.maximum() - FOLLOW_SLACK
 
     # --- internals ---------------------------------------------------------------------------------------------
     def _build(self) -> None:
@@ -149,17 +172,27 @@ class ChatView(QWidget):
         layout.setSpacing(0)
         self.scroll = QScrollArea(self, widgetResizable=True, objectName="chatScroll")
         self.scroll.setFrameShape(QFrame.Shape.NoFrame)
+        self.scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)  # messages wrap instead
         self._list = QWidget(objectName="chatList")
-        self._list_layout = QVBoxLayout(self._list)
+        centre = QHBoxLayout(self._list)
+        centre.setContentsMargins(0, 0, 0, 0)
+        self.column = QWidget(self._list, objectName="chatColumn")
+        centre.addStretch(1)
+        centre.addWidget(self.column, 1000)  # as wide as the view, up to its maximum; then centred
+        centre.addStretch(1)
+        self._list_layout = QVBoxLayout(self.column)
         self._list_layout.setContentsMargins(24, 16, 24, 16)
         self._list_layout.setSpacing(12)
         self._list_layout.addStretch(1)
+        margins = self._list_layout.contentsMargins()
+        self.column.setMaximumWidth(readable_width(self.fontMetrics()) + 32 + margins.left() + margins.right())
         self.scroll.setWidget(self._list)
         layout.addWidget(self.scroll, 1)
         hint = "Start a conversation.\nThe side panel shows what the KV cache does, token by token."
-        self._placeholder = QLabel(hint, self._list, objectName="placeholder",
+        self._placeholder = QLabel(hint, self.column, objectName="placeholder", wordWrap=True,
                                    alignment=Qt.AlignmentFlag.AlignCenter)
         self._list_layout.insertWidget(0, self._placeholder)
+        self._build_jump_button()
         layout.addWidget(self._build_error_banner())
         layout.addWidget(self._build_input_row())
 
@@ -210,10 +243,39 @@ class ChatView(QWidget):
             message.set_actions(edit=idle and i == last_user and i >= len(self.messages) - 2,
                                 regenerate=idle and last and message.role == "assistant")
 
-    def _at_bottom(self) -> bool:
+    # --- following the latest message ---------------------------------------------------------------------------
+    def _build_jump_button(self) -> None:
+        self.jump_button = QToolButton(self.scroll, text="↓  Jump to latest", objectName="jumpToLatest",
+                                       toolTip="Scroll to the latest message and follow it")
+        self.jump_button.setCursor(Qt.CursorShape.PointingHandCursor)
+        self.jump_button.clicked.connect(self.follow_latest)
+        self.jump_button.hide()
         bar = self.scroll.verticalScrollBar()
-        return bar.value() >= bar.maximum() - 40
+        bar.rangeChanged.connect(self._on_range_changed)
+        bar.valueChanged.connect(self._on_scrolled)
+        self.scroll.installEventFilter(self)
 
-    def _scroll_now(self) -> None:
-        bar = self.scroll.verticalScrollBar()
-        bar.setValue(bar.maximum())
+    def _on_range_changed(self, _minimum: int, maximum: int) -> None:
+        """The list grew or shrank (a new message, streamed text, a narrower view): keep following."""
+        if self.following:
+            self.scroll.verticalScrollBar().setValue(maximum)
+        self._update_jump_button()
+
+    def _on_scrolled(self, _value: int) -> None:
+        self.following = self.at_bottom
+        self._update_jump_button()
+
+    def _update_jump_button(self) -> None:
+        show = not self.following and not self.at_bottom
+        if show:
+            self.jump_button.adjustSize()
+            area = self.scroll.viewport().geometry()
+            self.jump_button.move(area.center().x() - self.jump_button.width() // 2,
+                                  area.bottom() - self.jump_button.height() - 12)
+            self.jump_button.raise_()
+        self.jump_button.setVisible(show)
+
+    def eventFilter(self, watched, event) -> bool:  # noqa: N802 (Qt override)
+        if watched is self.scroll and event.type() == QEvent.Type.Resize:
+            self._update_jump_button()
+        return super().eventFilter(watched, event)

@@ -20,18 +20,20 @@ from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QIcon
 from PySide6.QtWidgets import QApplication, QMainWindow, QMessageBox, QSplitter
 
+from app.backends.switch import Backends
 from app.block_map import BlockMap
 from app.chat_view import ChatView
 from app.dialogs import about_html
-from app.engine_client import EngineClient
 from app.menus import Menus
 from app.metrics_panel import MetricsPanel
 from app.settings import AppSettings
 from app.status_bar import StatusBar
+from app.status_fit import StatusFit
 from app.style import RESOURCES, apply_theme
 from app.window_actions import WindowActions
 
 STATUS_REFRESH_MS = 200
+MIN_SIZE = (740, 480)  # the chat's and the side panel's minimum widths side by side; fits half of a 1920 screen
 
 
 class MainWindow(QMainWindow):
@@ -51,13 +53,14 @@ class MainWindow(QMainWindow):
         self.setWindowTitle("kvscope")
         self.resize(1440, 900)
         self._build()
-        self.client = EngineClient(cache or self.settings.cache_strategy, block_size or self.settings.block_size,
-                                   self.settings.system_prompt, parent=self)
+        self.backends = Backends(self)  # the local engine (app.backends.local) or a server (app.backends.remote)
+        self.client = self.backends.make_client(cache, block_size, engine)
         self._connect_worker()
         self.menus.check(cache or self.settings.cache_strategy, block_size or self.settings.block_size)
+        self.backends.start()
         if engine is not None:
             self.client.use_engine(engine)
-        else:
+        elif not self.backends.remote:
             self.load_model(model or self.settings.model_path, remember=False)
 
     # --- layout ----------------------------------------------------------------------------------------------------
@@ -72,8 +75,10 @@ class MainWindow(QMainWindow):
         self.splitter.setSizes([780, 660])
         self.splitter.setChildrenCollapsible(False)
         self.setCentralWidget(self.splitter)
+        self.setMinimumSize(*MIN_SIZE)
         self.status = StatusBar(self)
         self.setStatusBar(self.status)
+        self.status_fit = StatusFit(self.status, self.status.labels)  # labels fold away instead of widening
         self.menus = Menus(self)
         self._connect_ui()
         geometry, splitter = self.settings.window_state()
@@ -103,6 +108,7 @@ class MainWindow(QMainWindow):
         m.block_size_group.triggered.connect(lambda _action: self.set_cache(*m.chosen_cache()))
         m.sampling.triggered.connect(a.edit_sampling)
         m.system_prompt.triggered.connect(a.edit_system_prompt)
+        m.backend.triggered.connect(lambda: self.backends.edit())
         m.model_gguf.triggered.connect(a.choose_gguf)
         m.model_folder.triggered.connect(a.choose_folder)
         m.model_default.triggered.connect(lambda: self.load_model(None))
@@ -126,6 +132,7 @@ class MainWindow(QMainWindow):
     def send(self, text: str) -> None:
         self._sent_text = text
         self.chat.add_message("user", text)
+        self.metrics.begin_turn()
         self._start_reply()
         self.client.generate(text, self.sampling_params())
 
@@ -133,6 +140,7 @@ class MainWindow(QMainWindow):
         self._sent_text = ""
         if self.chat.messages and self.chat.messages[-1].role == "assistant":
             self.chat.remove_last()
+        self.metrics.begin_turn(replaces_last=True)  # the old reply's points leave the plots
         self._start_reply()
         self.client.regenerate(self.sampling_params())
 
@@ -142,6 +150,7 @@ class MainWindow(QMainWindow):
             self.chat.remove_last()
         if self.chat.messages and self.chat.messages[-1].role == "user":
             self.chat.messages[-1].set_text(text)
+        self.metrics.begin_turn(replaces_last=True)  # the old reply's points leave the plots
         self._start_reply()
         self.client.edit_and_resend(text, self.sampling_params())
 
@@ -182,7 +191,8 @@ class MainWindow(QMainWindow):
         self.settings.cache_strategy, self.settings.block_size = strategy, block_size
         self.client.set_cache(strategy, block_size)
         when = "from the next turn" if self.generating else "now"
-        self.status.showMessage(f"Cache: {strategy}, block size {block_size} (applies {when})", 5000)
+        blocks = f", block size {block_size}" if strategy.startswith("paged") else ""  # only blocks have a size
+        self.status.showMessage(f"Cache: {strategy}{blocks} (applies {when})", 5000)
 
     def _set_side_panel(self, visible: bool) -> None:
         self.side.setVisible(visible)
@@ -192,14 +202,17 @@ class MainWindow(QMainWindow):
 
     # --- worker signals ------------------------------------------------------------------------------------------
     def _on_loaded(self, info) -> None:
+        if getattr(info, "remote", False):
+            return self.backends.on_loaded(info)
         if self.loading and self._pending_model not in (None, "keep"):
             self.settings.model_path = self._pending_model
         elif self.loading and self._pending_model is None:
             self.settings.model_path = None
-        self.loading = False
+        was_loading, self.loading = self.loading, False
         self.info = info
         self.setWindowTitle(f"kvscope — {info.model_name}")
-        self.status.hide_progress()
+        if was_loading:  # a strategy switch reports "loaded" too: its status message stays
+            self.status.hide_progress()
         self.status.set_model(info)
         self.metrics.set_model_info(info)
         self.menus.check(info.cache_strategy, info.block_size)
@@ -230,6 +243,7 @@ class MainWindow(QMainWindow):
                                         "in Settings → Choose model")
         if self.generating:
             self._resync = True
+            self.metrics.abandon_turn()  # the worker keeps the conversation as before the turn: so do the plots
             self._set_generating(False)
         self.menus.set_busy(self.generating)
 
@@ -252,7 +266,7 @@ class MainWindow(QMainWindow):
 
     def _refresh_live(self) -> None:
         event, self._last_step = self._last_step, None
-        if event is not None:
+        if event is not None and not self.backends.remote:  # remote: the server's /metrics feed these instead
             self.block_map.set_stats(event.kv)
             self.status.set_kv(event.kv)
             self.status.set_context(event.pos + 1)
@@ -271,6 +285,8 @@ def _footer(done) -> str:
     parts = [f"{done.n_generated_tokens} tokens", f"{done.decode_tok_s:.1f} tok/s",
              f"first token {done.ttft_ms:,.0f} ms", f"prefix reused {done.prefix_hit_tokens}/{done.n_prompt_tokens}",
              done.strategy]
+    if done.strategy == "server" and not done.prefix_hit_tokens:  # a server that does not say what it reused
+        parts.remove(f"prefix reused 0/{done.n_prompt_tokens}")
     if done.finish_reason != "stop":
         parts.append({"cancelled": "stopped", "length": "length limit"}.get(done.finish_reason, done.finish_reason))
     return " · ".join(parts)

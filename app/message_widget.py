@@ -121,7 +121,7 @@ class MessageWidget(QFrame):
         layout.addWidget(self.browser)
         self.edit_box = self._build_editor()
         layout.addWidget(self.edit_box)
-        self.footer = QLabel(self, objectName="messageFooter")
+        self.footer = QLabel(self, objectName="messageFooter", wordWrap=True)  # wraps: never widens the chat
         self.footer.hide()
         layout.addWidget(self.footer)
 

@@ -11,7 +11,7 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QColor
-from PySide6.QtWidgets import QFrame, QSplitter, QTextBrowser, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QFrame, QScrollArea, QSplitter, QTextBrowser, QVBoxLayout, QWidget
 
 from app.figures import figure_rows, figures_html
 from app.model_info import ModelInfo
@@ -20,6 +20,9 @@ from app.step_log import Run, StepLog
 from app.style import strategy_color
 
 REFRESH_MS = 120  # one part per tick: each plot and the figures redraw about three times per second
+MIN_WIDTH = 380  # with a 340-pixel chat the window fits half of a 1920-pixel screen
+SIDE_BY_SIDE_WIDTH = 560  # narrower than this, the block map goes under the figures instead of beside them
+MIN_FIGURES_HEIGHT = 120
 PARTS = ("latency", "memory", "figures")
 STYLE_GREY = "#8b93a1"
 
@@ -28,6 +31,11 @@ def _pen(color: str, width: float = 1.5, style=Qt.PenStyle.SolidLine, alpha: int
     qcolor = QColor(color)
     qcolor.setAlpha(alpha)
     return pg.mkPen(qcolor, width=width, style=style)
+
+
+def _prefill_pen(color: str):
+    """A prefill is a thin dashed step with end ticks across the tokens it ran, drawn behind the decode lines."""
+    return _pen(color, 1.2, Qt.PenStyle.DashLine, alpha=200)
 
 
 class MetricsPanel(QWidget):
@@ -42,6 +50,7 @@ class MetricsPanel(QWidget):
         self.kv = None
         self.last_done = None
         self._items: dict[int, dict[str, pg.PlotDataItem]] = {}
+        self._turn_marks: list = []  # StepLog marks, one per turn begun (see begin_turn)
         self._build(companion)
         self._timer = QTimer(self, interval=REFRESH_MS)
         self._tick_count = 0
@@ -67,6 +76,18 @@ class MetricsPanel(QWidget):
         self.last_done = done
         self.refresh()
 
+    def begin_turn(self, replaces_last: bool = False) -> None:
+        """Call as each turn starts. replaces_last: this turn replaces the last reply (Regenerate, Edit and send),
+        whose points then leave the plots and the CSV; the new reply is drawn in their place, in the same curve."""
+        if replaces_last and self._turn_marks:
+            self._rollback(self._turn_marks.pop())
+        self._turn_marks.append(self.log.mark())
+
+    def abandon_turn(self) -> None:
+        """The turn failed and the conversation is as it was before it: its points go too."""
+        if self._turn_marks:
+            self._rollback(self._turn_marks.pop())
+
     def new_conversation(self) -> None:
         self.log.break_runs()
         self.last_done = None
@@ -78,8 +99,16 @@ class MetricsPanel(QWidget):
                 (self.latency_plot if name in ("decode", "prefill") else self.memory_plot).removeItem(item)
         self._items.clear()
         self.log.clear()
+        self._turn_marks.clear()
         self._reset_legends()
         self.refresh()
+
+    def resizeEvent(self, event) -> None:  # noqa: N802 (Qt override)
+        super().resizeEvent(event)
+        narrow = event.size().width() < SIDE_BY_SIDE_WIDTH
+        orientation = Qt.Orientation.Vertical if narrow else Qt.Orientation.Horizontal
+        if self.bottom.orientation() != orientation:
+            self.bottom.setOrientation(orientation)
 
     # --- output -------------------------------------------------------------------------------------------------
     def refresh(self) -> None:
@@ -151,8 +180,15 @@ class MetricsPanel(QWidget):
         self.bottom.setStretchFactor(0, 1)
         self.bottom.setStretchFactor(1, 1)
         self.bottom.setSizes([330, 330])
-        self.setMinimumWidth(440)
-        layout.addWidget(self.splitter)
+        self.bottom.setChildrenCollapsible(False)
+        self.splitter.setChildrenCollapsible(False)
+        self.figures.setMinimumHeight(MIN_FIGURES_HEIGHT)
+        self.setMinimumWidth(MIN_WIDTH)
+        self.scroll = QScrollArea(self, widgetResizable=True, objectName="sidePanelScroll")  # short windows scroll
+        self.scroll.setFrameShape(QFrame.Shape.NoFrame)
+        self.scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.scroll.setWidget(self.splitter)
+        layout.addWidget(self.scroll)
         self._figures_dirty = False
         self._figures_html = ""
         self._reset_legends()
@@ -163,7 +199,9 @@ class MetricsPanel(QWidget):
         latency_legend.clear()
         memory_legend.clear()
         latency_legend.addItem(pg.PlotDataItem(pen=_pen(STYLE_GREY)), "decode step")
-        latency_legend.addItem(pg.PlotDataItem(pen=_prefill_pen(STYLE_GREY)), "prefill, per token, across its tokens")
+        prefill_key = pg.PlotDataItem(pen=_prefill_pen(STYLE_GREY))
+        prefill_key.legend_glyph = "├╌┤"
+        latency_legend.addItem(prefill_key, "prefill (per token, across its tokens)")
         memory_legend.addItem(pg.PlotDataItem(pen=_pen(STYLE_GREY, 2)), "allocated")
         memory_legend.addItem(pg.PlotDataItem(pen=_pen(STYLE_GREY, 1.5, Qt.PenStyle.DashLine)), "used")
         memory_legend.addItem(pg.PlotDataItem(pen=_pen(STYLE_GREY, 1.5, Qt.PenStyle.DotLine)), "theoretical")
@@ -186,12 +224,24 @@ class MetricsPanel(QWidget):
             "used": pg.PlotDataItem(pen=_pen(color, 1.5, Qt.PenStyle.DashLine), connect="finite"),
             "theoretical": pg.PlotDataItem(pen=_pen(color, 1.5, Qt.PenStyle.DotLine), connect="finite"),
         }
+        items["prefill"].setZValue(-1)  # behind every line: a prefill never covers a series
         for key, item in items.items():
             (self.latency_plot if key in ("decode", "prefill") else self.memory_plot).addItem(item)
             if key != "prefill":  # after addItem, which applies the plot's own (off) downsampling to the item
                 item.setDownsampling(auto=True, method="peak")
                 item.setClipToView(True)
         return items
+
+    def _rollback(self, mark) -> None:
+        for run in self.log.rollback(mark):
+            for item in self._items.pop(id(run), {}).values():
+                for plot in (self.latency_plot, self.memory_plot):
+                    if item in plot.getPlotItem().items:
+                        plot.removeItem(item)
+        self.refresh()
+        for plot in (self.latency_plot, self.memory_plot):
+            update_headroom(plot)
+        self._sync_legends()
 
     def _draw(self, run: Run, plot: str) -> None:
         items = self._items_for(run)
@@ -203,6 +253,12 @@ class MetricsPanel(QWidget):
             for name in ("allocated", "used", "theoretical"):
                 items[name].setData(x, run.values(name))
         run.dirty.discard(plot)
+        update_headroom(self.latency_plot if plot == "latency" else self.memory_plot)
+        self._sync_legends()
+
+    def _sync_legends(self) -> None:
+        self.latency_box.legend.sync()
+        self.memory_box.legend.sync()
 
     def _update_figures(self) -> None:
         html = figures_html(figure_rows(self.info, self.kv, self.last_done))

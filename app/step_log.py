@@ -1,8 +1,11 @@
 """Every step of the conversation as plot-ready columns, split into monotonic runs (no Qt here).
 
-A run is a stretch of steps of one strategy whose context positions only grow. A regeneration, an edit, a new
-chat or a re-prefill after switching strategy goes back in position and starts a new run, so each plotted curve
-keeps increasing x (which clip-to-view and downsampling rely on) while the old curve stays visible.
+A run is a stretch of steps of one strategy whose context positions only grow. A new chat or a re-prefill after
+switching strategy goes back in position and starts a new run, so each plotted curve keeps increasing x (which
+clip-to-view and downsampling rely on) while the old curve stays visible.
+
+A reply that is replaced (Regenerate, Edit and send) takes its steps with it: mark() before each turn, and
+rollback(mark) puts the log back as it was before that turn, so the new reply continues the same curve.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ class Column:
     def values(self) -> np.ndarray:
         return self._data[:self.size]
 
+    def truncate(self, size: int) -> None:
+        self.size = min(self.size, size)
+
 
 @dataclass
 class Run:
@@ -65,6 +71,16 @@ class Run:
             c[name].append(_mib(getattr(event.kv, f"bytes_{name}")))
         self.last_pos = event.pos
         self.dirty = {"latency", "memory"}
+
+
+@dataclass(frozen=True)
+class Mark:
+    """Where the log stood before a turn: rows, runs, each run's length and the run each strategy continues."""
+
+    num_rows: int
+    num_runs: int
+    run_state: tuple[tuple[dict[str, int], int], ...]  # per run: column sizes, last position
+    open_runs: tuple[tuple[str, Run], ...]
 
 
 def _mib(n: int) -> float:
@@ -99,6 +115,26 @@ class StepLog:
         self.rows.clear()
         self.runs.clear()
         self._open.clear()
+
+    def mark(self) -> Mark:
+        state = tuple(({name: c.size for name, c in run.columns.items()}, run.last_pos) for run in self.runs)
+        return Mark(len(self.rows), len(self.runs), state, tuple(self._open.items()))
+
+    def rollback(self, mark: Mark) -> list[Run]:
+        """Forget every step added since mark; returns the runs that no longer exist (their curves go too)."""
+        if mark.num_runs > len(self.runs) or mark.num_rows > len(self.rows):
+            raise ValueError("this mark is not from this log's history (it was cleared since)")
+        removed = self.runs[mark.num_runs:]
+        del self.runs[mark.num_runs:]
+        del self.rows[mark.num_rows:]
+        for run, (sizes, last_pos) in zip(self.runs, mark.run_state):
+            if any(run.columns[name].size != size for name, size in sizes.items()):
+                for name, size in sizes.items():
+                    run.columns[name].truncate(size)
+                run.dirty = {"latency", "memory"}
+            run.last_pos = last_pos
+        self._open = dict(mark.open_runs)
+        return removed
 
     def dirty_runs(self, plot: str) -> list[Run]:
         return [run for run in self.runs if plot in run.dirty]

@@ -1,0 +1,167 @@
+"""The side panel's plot furniture: axes with readable ticks, headroom above the data, and a legend outside the plot.
+
+A legend drawn inside a plot hides whatever runs under it, so the plots keep pyqtgraph's legend only as the list of
+named series (hidden) and show it as a line of text above the plot area, where it cannot cover a curve.
+"""
+
+from __future__ import annotations
+
+import math
+from html import escape
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
+
+from app.style import PLOT_BACKGROUND, PLOT_FOREGROUND
+
+MIN_PLOT_HEIGHT = 150
+LEFT_AXIS_WIDTH = 58  # the same on every plot, so that linked x axes line up pixel for pixel
+MAX_LABELLED_SPAN = 2.5  # decades: up to this span a log axis labels 1, 2 and 5 of every decade, beyond it decades
+HEADROOM = 1.08  # the highest point stays at least this factor below the top of a log axis
+STEPS_125 = (1.0, 2.0, 5.0, 10.0)
+GLYPHS = {Qt.PenStyle.SolidLine: "━━", Qt.PenStyle.DashLine: "╸ ╸", Qt.PenStyle.DotLine: "┄┄"}
+
+
+def labelled_multipliers(span_decades: float) -> tuple[float, ...]:
+    """Which multiples of each decade a log axis labels for a view this many decades high."""
+    return (1.0, 2.0, 5.0) if span_decades <= MAX_LABELLED_SPAN else (1.0,)
+
+
+def _tick_above(value: float, steps: tuple[float, ...]) -> float:
+    decade = 10.0 ** math.floor(math.log10(value))
+    return next(decade * m for m in steps + (10.0,) if decade * m >= value * (1 - 1e-9))
+
+
+def _tick_below(value: float, steps: tuple[float, ...]) -> float:
+    decade = 10.0 ** math.floor(math.log10(value))
+    return max(decade * m for m in steps if decade * m <= value * (1 + 1e-9))
+
+
+def log_headroom(low: float, high: float) -> tuple[float, float]:
+    """A y range (data units) for positive data in [low, high] whose both ends are labelled ticks of a LogAxis,
+    with the data at least HEADROOM inside them: the highest line never sits on the top border."""
+    top, bottom = _tick_above(high * HEADROOM, STEPS_125[:3]), _tick_below(low / HEADROOM, STEPS_125[:3])
+    if math.log10(top / bottom) > MAX_LABELLED_SPAN / 1.1:  # decades only, with room for the view's padding
+        top, bottom = _tick_above(high * HEADROOM, (1.0,)), _tick_below(low / HEADROOM, (1.0,))
+    return bottom, top
+
+
+class LogAxis(pg.AxisItem):
+    """A log-scale axis labelled at decades, and at 2 and 5 when the range is short: labels never crowd."""
+
+    def logTickValues(self, minVal, maxVal, size, stdTicks):  # noqa: N802, N803 (pyqtgraph override)
+        decades = range(math.floor(minVal), math.ceil(maxVal) + 1)
+
+        def at(multipliers):
+            return [v for d in decades for m in multipliers if minVal <= (v := d + math.log10(m)) <= maxVal]
+
+        labelled = labelled_multipliers(maxVal - minVal)
+        minor = [m for m in range(2, 10) if m not in labelled]
+        return [(1.0, at((1,))), (None, at(labelled[1:])), (None, at(minor))]
+
+
+class TokenAxis(pg.AxisItem):
+    """Context positions: whole tokens only, never 0.1 … 0.9 on an empty or short plot."""
+
+    def tickValues(self, minVal, maxVal, size):  # noqa: N802, N803 (pyqtgraph override)
+        levels = [(spacing, [v for v in values if float(v).is_integer()])
+                  for spacing, values in super().tickValues(minVal, maxVal, size) if spacing >= 1]
+        levels = [(spacing, values) for spacing, values in levels if values]
+        if levels:
+            return levels
+        return [(1.0, [float(v) for v in range(math.ceil(minVal), math.floor(maxVal) + 1)])]
+
+
+def make_plot(y_label: str) -> pg.PlotWidget:
+    """A plot of context position (x) against a log-scale y, gridded, with a hidden legend as its series list."""
+    plot = pg.PlotWidget(background=PLOT_BACKGROUND, axisItems={"left": LogAxis("left"), "bottom": TokenAxis("bottom")})
+    item = plot.getPlotItem()
+    item.setLabel("bottom", "context position (tokens)", color=PLOT_FOREGROUND)
+    item.setLabel("left", y_label, color=PLOT_FOREGROUND)
+    item.showGrid(x=True, y=True, alpha=0.15)
+    item.setLogMode(y=True)
+    for name in ("left", "bottom"):
+        item.getAxis(name).enableAutoSIPrefix(False)
+        item.getAxis(name).setTextPen(PLOT_FOREGROUND)
+    item.getAxis("left").setStyle(maxTextLevel=1)  # no labels on minor ticks
+    item.getAxis("left").setWidth(LEFT_AXIS_WIDTH)
+    plot.setMinimumHeight(MIN_PLOT_HEIGHT)
+    item.setRange(xRange=(0, 32), yRange=(0, 1), padding=0, disableAutoRange=False)  # until the first point
+    item.addLegend().hide()  # the list of named series; SeriesLegend shows it outside the plot
+    # two invisible points, not a data item of the plot: the autoranged y keeps headroom above the highest line
+    item.headroom = pg.PlotDataItem(pen=pg.mkPen(None))
+    item.headroom.setLogMode(False, True)
+    item.vb.addItem(item.headroom)
+    return plot
+
+
+def update_headroom(plot: pg.PlotWidget) -> None:
+    """Place the invisible anchor at labelled ticks just beyond the lowest and highest finite data points."""
+    item = plot.getPlotItem()
+    low, high, x = math.inf, -math.inf, None
+    for data in item.listDataItems():
+        if data.yData is None or not len(data.yData):
+            continue
+        y = data.yData[np.isfinite(data.yData) & (data.yData > 0)]
+        if len(y):
+            low, high = min(low, float(y.min())), max(high, float(y.max()))
+            x = float(data.xData[0]) if x is None else min(x, float(data.xData[0]))
+    if x is None:
+        item.headroom.setData([], [])
+        return
+    bottom, top = log_headroom(low, high)
+    item.headroom.setData([x, x], [bottom, top])
+
+
+def _glyph(pen) -> tuple[str, str]:
+    pen = pg.mkPen(pen)
+    return pen.color().name(), GLYPHS.get(pen.style(), "━━")
+
+
+class SeriesLegend(QLabel):
+    """One wrapped line of "glyph name" entries, built from the plot's named series (its hidden legend)."""
+
+    def __init__(self, plot: pg.PlotWidget, parent: QWidget | None = None):
+        super().__init__(parent, objectName="plotLegend", wordWrap=True, textFormat=Qt.TextFormat.RichText)
+        self.plot = plot
+        self._shown: tuple = ()
+        self.sync()
+
+    def entries(self) -> list[tuple[str, str, str]]:
+        """(colour, glyph, name) per named series, in the order they were added."""
+        legend = self.plot.getPlotItem().legend
+        out = []
+        for sample, label in legend.items:
+            pen = sample.item.opts.get("pen") if hasattr(sample.item, "opts") else None
+            color, glyph = _glyph(pen if pen is not None else PLOT_FOREGROUND)
+            out.append((color, getattr(sample.item, "legend_glyph", glyph), label.text))
+        return out
+
+    def sync(self) -> None:
+        entries = tuple(self.entries())
+        if entries == self._shown:
+            return
+        self._shown = entries
+        self.setText("&nbsp;&nbsp; ".join(
+            f'<span style="white-space:nowrap;"><span style="color:{color};">{escape(glyph)}</span>&nbsp;'
+            f'{escape(name)}</span>' for color, glyph, name in entries))
+
+
+class PlotBox(QWidget):
+    """A heading, the legend line, then the plot: text that wraps instead of being clipped, and never over data."""
+
+    def __init__(self, title: str, plot: pg.PlotWidget, parent: QWidget | None = None):
+        super().__init__(parent, objectName="plotBox")
+        self.setAttribute(Qt.WidgetAttribute.WA_StyledBackground)
+        self.plot = plot
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 4, 0, 0)
+        layout.setSpacing(2)
+        self.title = QLabel(title, self, objectName="plotTitle", wordWrap=True,
+                            alignment=Qt.AlignmentFlag.AlignCenter)
+        self.legend = SeriesLegend(plot, self)
+        layout.addWidget(self.title)
+        layout.addWidget(self.legend)
+        layout.addWidget(plot, 1)
