@@ -12,6 +12,13 @@ def add_model_options(p: argparse.ArgumentParser, default_cache: str | None = "p
     p.add_argument("--model", help="a .gguf file or a Hugging Face model folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--cache", choices=CACHE_STRATEGIES, default=default_cache, help="KV-cache strategy")
     p.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=None, help="paged block size (tokens)")
+    add_prefix_reuse_option(p)
+
+
+def add_prefix_reuse_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefix-reuse", choices=("on", "off"), default=None,
+                   help="keep a conversation's KV cache between turns and reuse the common prefix (default: on; "
+                        "off: every turn prefills the whole history again)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--prompt", help="one turn, then exit (default: one message per line of standard input)")
     chat.add_argument("--decode-weights", choices=("bfloat16", "float16"),
                       help="keep a half-precision weight copy for single-token steps (faster decode on CPU)")
+    chat.add_argument("--speculative", choices=("off", "lookup"), default="off",
+                      help="speculative decoding: lookup drafts tokens from the conversation itself (prompt lookup) "
+                           "and verifies them in one forward; the output is unchanged")
+    chat.add_argument("--draft-tokens", type=int, default=8, metavar="K", help="most draft tokens per step (1-64)")
     chat.add_argument("--json", action="store_true", help="one JSON object per step, and one per reply")
 
     bench = sub.add_parser("bench", help="the benchmark suite")
@@ -44,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tiny", action="store_true",
                        help="a smoke run: a tiny random model, --quick sizes (every code path; numbers mean nothing)")
     bench.add_argument("--model", help="a .gguf file or a Hugging Face model folder")
+    add_prefix_reuse_option(bench)
 
     add_serve_parser(sub)
     return parser

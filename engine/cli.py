@@ -6,7 +6,7 @@ import json
 import sys
 
 from engine.chat import PromptTooLong
-from engine.config import ConfigError, EngineConfig, SamplingParams
+from engine.config import ConfigError, EngineConfig, SamplingParams, SpeculativeConfig
 from engine.events import DoneEvent, StepEvent, TrimEvent
 from engine.kv.base import KVCacheFull
 from engine.loader import ModelLoadError
@@ -18,6 +18,7 @@ def step_record(ev: StepEvent) -> dict:
         "kv_bytes_allocated": ev.kv.bytes_allocated, "kv_bytes_used": ev.kv.bytes_used,
         "kv_bytes_theoretical": ev.kv.bytes_theoretical, "prefix_hit_tokens": ev.prefix_hit_tokens,
         "token_id": ev.token_id, "text": ev.text, "strategy": ev.strategy,
+        "n_drafted": ev.n_drafted, "n_accepted": ev.n_accepted,
     }
     if ev.kv.num_blocks:
         record.update(blocks_used=ev.kv.num_blocks_used, blocks_free=ev.kv.num_blocks_free,
@@ -31,6 +32,7 @@ def done_record(ev: DoneEvent) -> dict:
         "n_generated_tokens": ev.n_generated_tokens, "ttft_ms": round(ev.ttft_ms, 3),
         "decode_tok_s": round(ev.decode_tok_s, 3), "finish_reason": ev.finish_reason,
         "prefix_hit_tokens": ev.prefix_hit_tokens,
+        "n_decode_steps": ev.n_decode_steps, "n_drafted": ev.n_drafted, "n_accepted": ev.n_accepted,
     }
 
 
@@ -49,8 +51,10 @@ def _print_event(ev, as_json: bool) -> None:
         print(f"[context full: dropped the {ev.dropped_messages} oldest messages]", file=sys.stderr)
     else:
         print(flush=True)
+        speculation = (f"{ev.tokens_per_step:.2f} tokens/step, {ev.acceptance_rate:.0%} of drafts accepted, "
+                       if ev.n_drafted else "")
         print(f"[{ev.n_generated_tokens} tokens, first after {ev.ttft_ms:.0f} ms, "
-              f"{ev.decode_tok_s:.1f} tok/s, {ev.finish_reason}]", file=sys.stderr)
+              f"{ev.decode_tok_s:.1f} tok/s, {speculation}{ev.finish_reason}]", file=sys.stderr)
 
 
 def _messages(args):
@@ -68,10 +72,13 @@ def run_chat(args) -> int:
 
     try:
         config = EngineConfig(cache=args.cache, block_size=args.block_size or 16,
-                              decode_dtype=getattr(args, "decode_weights", None))
+                              decode_dtype=getattr(args, "decode_weights", None),
+                              prefix_reuse=getattr(args, "prefix_reuse", None) != "off")
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 repetition_penalty=args.repetition_penalty,
-                                max_new_tokens=args.max_new_tokens, seed=args.seed)
+                                max_new_tokens=args.max_new_tokens, seed=args.seed,
+                                speculative=SpeculativeConfig(getattr(args, "speculative", "off"),
+                                                              getattr(args, "draft_tokens", 8)))
         progress = None if args.json else (lambda msg, frac: print(f"[{msg}]", file=sys.stderr))
         engine = Engine.load(args.model, config, progress)
     except (ConfigError, ModelLoadError) as e:
