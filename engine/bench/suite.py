@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from engine.bench import (
+    branches,
     concurrency,
     decode,
     memory,
@@ -19,6 +20,7 @@ from engine.bench import (
     quality,
     recompute,
     report,
+    speculative,
     targets,
     turns,
 )
@@ -30,9 +32,11 @@ BENCHMARKS = {
     "decode": decode,
     "prefill": prefill,
     "turns": turns,
+    "branches": branches,
     "memory": memory,
     "concurrency": concurrency,
     "quality": quality,
+    "speculative": speculative,
 }
 
 
@@ -62,6 +66,8 @@ def run_bench(args) -> int:
     except ModelLoadError as e:
         print(f"kvscope bench: {e}", file=sys.stderr)
         return 1
+    if getattr(args, "prefix_reuse", None) == "off":  # the engine's own cache; turns and branches set both
+        ctx.engine.set_prefix_reuse(False)
     results = {"machine": machine_info(ctx.engine), "quick": ctx.quick, "tiny": ctx.tiny, "benchmarks_run": names,
                "benchmarks": {}, "seconds": {}, "targets": []}
     started = time.perf_counter()
