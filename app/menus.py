@@ -15,6 +15,9 @@ STRATEGY_HINTS = {
     "paged-int8": "paged, keys and values stored as int8 with scales",
 }
 
+REMOTE_TIP = ("Applies to the local engine only: the server chooses its own model, cache strategy and block size "
+              "(Settings → Backend switches back to the local engine)")
+
 
 class Menus:
     def __init__(self, window: QMainWindow):
@@ -71,6 +74,9 @@ class Menus:
         self.model_gguf = self._action(model_menu, "GGUF file…")
         self.model_folder = self._action(model_menu, "Hugging Face model folder…")
         self.model_default = self._action(model_menu, "Default model (SmolLM2-135M-Instruct)")
+        self.local_only = (strategy_menu, block_menu, model_menu)  # disabled in remote mode (set_remote)
+        menu.setToolTipsVisible(True)
+        self.backend = self._action(menu, "Bac&kend…", tip="the local engine, or an OpenAI-compatible server")
 
     def _view(self, menu: QMenu) -> None:
         self.show_side_panel = self._action(menu, "Show side &panel", "Ctrl+B", checkable=True)
@@ -89,6 +95,13 @@ class Menus:
         """The strategy and block size checked in the menus (or in use, when the menu offers no such size)."""
         size = self.block_size_group.checkedAction()
         return self.strategy_group.checkedAction().data(), size.data() if size else self._block_size_now
+
+    def set_remote(self, remote: bool) -> None:
+        """A server has its own cache and model: the local-only menus are disabled and their tooltip says why."""
+        for submenu in self.local_only:
+            submenu.setEnabled(not remote)
+            submenu.menuAction().setToolTip(REMOTE_TIP if remote else submenu.title().replace("&", ""))
+            submenu.menuAction().setStatusTip(REMOTE_TIP if remote else "")
 
     def set_busy(self, busy: bool) -> None:
         """While a reply streams, actions that replace the conversation or the model wait."""

@@ -10,6 +10,7 @@ from engine.config import BLOCK_SIZES, CACHE_STRATEGIES, SamplingParams
 ORGANIZATION = "kvscope"
 APPLICATION = "kvscope"
 MENU_BLOCK_SIZES = tuple(b for b in BLOCK_SIZES if b >= 8)
+BACKENDS = ("local", "remote")
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "repetition_penalty", "max_new_tokens", "seed")
 
 
@@ -52,6 +53,40 @@ class AppSettings:
     @model_path.setter
     def model_path(self, value: str | None) -> None:
         self.q.setValue("engine/model", value or "")
+
+    # --- backend: the local engine, or an OpenAI-compatible server -------------------------------------------------
+    @property
+    def backend(self) -> str:
+        value = self._get("backend/kind", "local", str)
+        return value if value in BACKENDS else "local"
+
+    @backend.setter
+    def backend(self, value: str) -> None:
+        self.q.setValue("backend/kind", value if value in BACKENDS else "local")
+
+    @property
+    def server_url(self) -> str:
+        return self._get("backend/url", "http://127.0.0.1:8000", str)
+
+    @server_url.setter
+    def server_url(self, value: str) -> None:
+        self.q.setValue("backend/url", value)
+
+    @property
+    def server_api_key(self) -> str | None:
+        return self._get("backend/api_key", "", str) or None  # kept in the settings file as typed, not encrypted
+
+    @server_api_key.setter
+    def server_api_key(self, value: str | None) -> None:
+        self.q.setValue("backend/api_key", value or "")
+
+    @property
+    def server_model(self) -> str | None:
+        return self._get("backend/model", "", str) or None
+
+    @server_model.setter
+    def server_model(self, value: str | None) -> None:
+        self.q.setValue("backend/model", value or "")
 
     @property
     def system_prompt(self) -> str:
