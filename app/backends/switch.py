@@ -56,6 +56,8 @@ class Backends:
 
     def _show_server_figures(self, remote: bool) -> None:
         metrics, block_map = self.window.metrics, self.window.block_map
+        if not remote and self.view is None:
+            return  # local from the start: the panel stays as the window built it
         if remote and self.view is None:
             self.view = ServerView()
             metrics.bottom.insertWidget(0, self.view)
