@@ -20,6 +20,7 @@ from engine.bench import (
     quality,
     recompute,
     report,
+    serve,
     speculative,
     targets,
     turns,
@@ -37,6 +38,7 @@ BENCHMARKS = {
     "concurrency": concurrency,
     "quality": quality,
     "speculative": speculative,
+    "serve": serve,
 }
 
 
