@@ -61,6 +61,14 @@ class LogAxis(pg.AxisItem):
         minor = [m for m in range(2, 10) if m not in labelled]
         return [(1.0, at((1,))), (None, at(labelled[1:])), (None, at(minor))]
 
+    def logTickStrings(self, values, scale, spacing):  # noqa: N802 (pyqtgraph override)
+        """Plain numbers (0.05, 1, 20, 1,000), not powers of ten."""
+        return [plain_number(10.0 ** v) for v in values]
+
+
+def plain_number(value: float) -> str:
+    return f"{value:,.0f}" if value >= 1 else f"{value:.2g}"
+
 
 class TokenAxis(pg.AxisItem):
     """Context positions: whole tokens only, never 0.1 … 0.9 on an empty or short plot."""
@@ -130,14 +138,16 @@ class SeriesLegend(QLabel):
         self.sync()
 
     def entries(self) -> list[tuple[str, str, str]]:
-        """(colour, glyph, name) per named series, in the order they were added."""
+        """(colour, glyph, name) per named series in the order they were added, then the keys to line styles
+        (series whose item has legend_key set)."""
         legend = self.plot.getPlotItem().legend
-        out = []
+        series, keys = [], []
         for sample, label in legend.items:
             pen = sample.item.opts.get("pen") if hasattr(sample.item, "opts") else None
             color, glyph = _glyph(pen if pen is not None else PLOT_FOREGROUND)
-            out.append((color, getattr(sample.item, "legend_glyph", glyph), label.text))
-        return out
+            entry = (color, getattr(sample.item, "legend_glyph", glyph), label.text)
+            (keys if getattr(sample.item, "legend_key", False) else series).append(entry)
+        return series + keys
 
     def sync(self) -> None:
         entries = tuple(self.entries())
