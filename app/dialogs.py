@@ -66,6 +66,25 @@ class SamplingDialog(QDialog):
         )
 
 
+class DraftTokensDialog(QDialog):
+    """The most tokens speculative decoding drafts per step (it adapts below that to the acceptance rate)."""
+
+    def __init__(self, value: int, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setWindowTitle("Speculative decoding")
+        form = QFormLayout(self)
+        form.addRow(QLabel("Draft at most this many tokens per step; fewer while drafts are being rejected.", self))
+        self.spin = _int(1, 64, value)
+        form.addRow("Max draft tokens", self.spin)
+        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel)
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        form.addRow(buttons)
+
+    def value(self) -> int:
+        return self.spin.value()
+
+
 class SystemPromptDialog(QDialog):
     def __init__(self, prompt: str, parent: QWidget | None = None):
         super().__init__(parent)

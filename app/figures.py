@@ -18,6 +18,8 @@ def figure_rows(info: ModelInfo | None, kv, last_done=None) -> list[tuple[str, s
     if kv is not None:
         rows += [_utilisation(kv), _memory_now(kv)]
     rows.append(_prefix_hits(last_done))
+    if getattr(last_done, "n_drafted", 0):
+        rows.append(_speculation(last_done))
     return rows
 
 
@@ -82,3 +84,10 @@ def _prefix_hits(done) -> tuple[str, str, str]:
     total = max(done.n_prompt_tokens, 1)
     value = f"{done.prefix_hit_tokens:,} of {done.n_prompt_tokens:,} prompt tokens reused"
     return ("Prefix cache, last turn", value, f"{done.prefix_hit_tokens / total:.0%} of the prompt was not recomputed")
+
+
+def _speculation(done) -> tuple[str, str, str]:
+    value = f"{done.acceptance_rate:.0%} of drafts accepted · {done.tokens_per_forward:.2f} tokens per forward"
+    detail = (f"{done.n_accepted:,} of {done.n_drafted:,} draft tokens kept over {done.n_decode_steps:,} decode "
+              f"steps ({done.n_decode_forwards:,} forwards); plain decoding makes 1 token per forward")
+    return ("Speculative decoding, last reply", value, detail)

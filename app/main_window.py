@@ -25,6 +25,7 @@ from app.block_map import BlockMap
 from app.chat_view import ChatView
 from app.dialogs import about_html
 from app.menus import Menus
+from app.message_widget import speculation_footer
 from app.metrics_panel import MetricsPanel
 from app.settings import AppSettings
 from app.status_bar import StatusBar
@@ -287,6 +288,7 @@ def _footer(done) -> str:
              done.strategy]
     if done.strategy == "server" and not done.prefix_hit_tokens:  # a server that does not say what it reused
         parts.remove(f"prefix reused 0/{done.n_prompt_tokens}")
+    parts[2:2] = speculation_footer(done)
     if done.finish_reason != "stop":
         parts.append({"cancelled": "stopped", "length": "length limit"}.get(done.finish_reason, done.finish_reason))
     return " · ".join(parts)

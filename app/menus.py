@@ -5,6 +5,7 @@ from __future__ import annotations
 from PySide6.QtGui import QAction, QActionGroup, QKeySequence
 from PySide6.QtWidgets import QMainWindow, QMenu
 
+from app.dialogs import DraftTokensDialog
 from app.settings import MENU_BLOCK_SIZES
 from engine.config import CACHE_STRATEGIES
 
@@ -15,6 +16,8 @@ STRATEGY_HINTS = {
     "paged-int8": "paged, keys and values stored as int8 with scales",
 }
 
+SPECULATIVE_TIP = ("draft tokens by matching the conversation's last words earlier in it, verify them in one "
+                   "forward and roll back the rejected: the same reply, faster when it quotes the context")
 REMOTE_TIP = ("Applies to the local engine only: the server chooses its own model, cache strategy and block size "
               "(Settings → Backend switches back to the local engine)")
 
@@ -68,6 +71,7 @@ class Menus:
             self.block_sizes[size] = action
         menu.addSeparator()
         self.sampling = self._action(menu, "Sa&mpling…")
+        self._speculative(menu.addMenu("Speculative &decoding"))
         self.system_prompt = self._action(menu, "System &prompt…")
         menu.addSeparator()
         model_menu = menu.addMenu("Choose &model")
@@ -77,6 +81,30 @@ class Menus:
         self.local_only = (strategy_menu, block_menu, model_menu)  # disabled in remote mode (set_remote)
         menu.setToolTipsVisible(True)
         self.backend = self._action(menu, "Bac&kend…", tip="the local engine, or an OpenAI-compatible server")
+
+    def _speculative(self, menu: QMenu) -> None:
+        """Off / prompt lookup and the most draft tokens per step; saved in the settings, used from the next turn."""
+        settings = getattr(self.window, "settings", None)
+        self.speculative_group = QActionGroup(self.window, exclusive=True)
+        self.speculative_modes: dict[str, QAction] = {}
+        for mode, text, tip in (("off", "Off", "one token per forward"),
+                                ("lookup", "Prompt lookup", SPECULATIVE_TIP)):
+            action = self._action(menu, text, checkable=True, tip=tip)
+            action.setData(mode)
+            action.setChecked(settings is not None and settings.speculative_mode == mode)
+            self.speculative_group.addAction(action)
+            self.speculative_modes[mode] = action
+        menu.addSeparator()
+        self.max_draft_tokens = self._action(menu, "Max draft tokens…")
+        if settings is not None:
+            self.speculative_group.triggered.connect(lambda a: setattr(settings, "speculative_mode", a.data()))
+            self.max_draft_tokens.triggered.connect(self._ask_max_draft_tokens)
+
+    def _ask_max_draft_tokens(self) -> None:
+        settings = self.window.settings
+        dialog = DraftTokensDialog(settings.max_draft_tokens, self.window)
+        if dialog.exec():
+            settings.max_draft_tokens = dialog.value()
 
     def _view(self, menu: QMenu) -> None:
         self.show_side_panel = self._action(menu, "Show side &panel", "Ctrl+B", checkable=True)

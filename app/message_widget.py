@@ -25,6 +25,13 @@ RENDER_INTERVAL_MS = 60  # a streaming reply is re-rendered at most this often..
 RENDER_BUDGET = 0.2  # ...and rendering takes at most this share of the time while it streams (long replies)
 
 
+def speculation_footer(done) -> list[str]:
+    """The footer's speculative-decoding part of a reply: tokens per decode step and drafts accepted (or nothing)."""
+    if not getattr(done, "n_drafted", 0):
+        return []
+    return [f"{done.tokens_per_step:.2f} tokens/step", f"{done.acceptance_rate:.0%} of drafts accepted"]
+
+
 class MessageBrowser(QTextBrowser):
     """Read-only rich text that grows to fit its content and never loads anything: no links, no images."""
 

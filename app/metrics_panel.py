@@ -24,6 +24,7 @@ MIN_WIDTH = 380  # with a 340-pixel chat the window fits half of a 1920-pixel sc
 SIDE_BY_SIDE_WIDTH = 560  # narrower than this, the block map goes under the figures instead of beside them
 MIN_FIGURES_HEIGHT = 120
 PARTS = ("latency", "memory", "figures")
+LATENCY_ITEMS = ("decode", "prefill", "verify")
 STYLE_GREY = "#8b93a1"
 
 
@@ -31,6 +32,26 @@ def _pen(color: str, width: float = 1.5, style=Qt.PenStyle.SolidLine, alpha: int
     qcolor = QColor(color)
     qcolor.setAlpha(alpha)
     return pg.mkPen(qcolor, width=width, style=style)
+
+
+def _key(pen, glyph: str | None = None) -> pg.PlotDataItem:
+    """A legend entry for a line style (listed after the strategies' colours)."""
+    item = pg.PlotDataItem(pen=pen)
+    item.legend_key = True
+    if glyph:
+        item.legend_glyph = glyph
+    return item
+
+
+def verify_marker_sizes(tokens_produced: np.ndarray) -> np.ndarray:
+    """A verify step's marker grows with the tokens it produced: 5 px for one, +2 px per extra, at most 21."""
+    return np.minimum(3 + 2 * tokens_produced, 21)
+
+
+def _verify_brush(color: str):
+    qcolor = QColor(color)
+    qcolor.setAlpha(150)
+    return pg.mkBrush(qcolor)
 
 
 def _prefill_pen(color: str):
@@ -96,7 +117,7 @@ class MetricsPanel(QWidget):
     def clear(self) -> None:
         for items in self._items.values():
             for name, item in items.items():
-                (self.latency_plot if name in ("decode", "prefill") else self.memory_plot).removeItem(item)
+                (self.latency_plot if name in LATENCY_ITEMS else self.memory_plot).removeItem(item)
         self._items.clear()
         self.log.clear()
         self._turn_marks.clear()
@@ -161,6 +182,7 @@ class MetricsPanel(QWidget):
         self.latency_plot = make_plot("ms per token")
         self.memory_plot = make_plot("MiB")
         self.memory_plot.setXLink(self.latency_plot)  # one context position, one column in both plots
+        self.latency_plot.getPlotItem().getAxis("bottom").showLabel(False)  # named once, under the lower plot
         self.latency_box = PlotBox("Per-token latency (log scale)", self.latency_plot, self.plots)
         self.memory_box = PlotBox("KV cache memory (log scale)", self.memory_plot, self.plots)
         plots_layout.addWidget(self.latency_box)
@@ -198,13 +220,14 @@ class MetricsPanel(QWidget):
         memory_legend = self.memory_plot.getPlotItem().legend
         latency_legend.clear()
         memory_legend.clear()
-        latency_legend.addItem(pg.PlotDataItem(pen=_pen(STYLE_GREY)), "decode step")
-        prefill_key = pg.PlotDataItem(pen=_prefill_pen(STYLE_GREY))
-        prefill_key.legend_glyph = "├╌┤"
-        latency_legend.addItem(prefill_key, "prefill (per token, across its tokens)")
-        memory_legend.addItem(pg.PlotDataItem(pen=_pen(STYLE_GREY, 2)), "allocated")
-        memory_legend.addItem(pg.PlotDataItem(pen=_pen(STYLE_GREY, 1.5, Qt.PenStyle.DashLine)), "used")
-        memory_legend.addItem(pg.PlotDataItem(pen=_pen(STYLE_GREY, 1.5, Qt.PenStyle.DotLine)), "theoretical")
+        keys = ((latency_legend, _key(_pen(STYLE_GREY)), "decode step"),
+                (latency_legend, _key(_prefill_pen(STYLE_GREY), "├╌┤"), "prefill (per token, across its tokens)"),
+                (latency_legend, _key(_pen(STYLE_GREY), "•●⬤"), "speculative verify step (size: tokens it produced)"),
+                (memory_legend, _key(_pen(STYLE_GREY, 2)), "allocated"),
+                (memory_legend, _key(_pen(STYLE_GREY, 1.5, Qt.PenStyle.DashLine)), "used"),
+                (memory_legend, _key(_pen(STYLE_GREY, 1.5, Qt.PenStyle.DotLine)), "theoretical"))
+        for legend, item, text in keys:
+            legend.addItem(item, text)
         self._sync_legends()
 
     def _items_for(self, run: Run) -> dict[str, pg.PlotDataItem]:
@@ -223,10 +246,11 @@ class MetricsPanel(QWidget):
             "allocated": pg.PlotDataItem(pen=_pen(color, 2), name=name, connect="finite"),
             "used": pg.PlotDataItem(pen=_pen(color, 1.5, Qt.PenStyle.DashLine), connect="finite"),
             "theoretical": pg.PlotDataItem(pen=_pen(color, 1.5, Qt.PenStyle.DotLine), connect="finite"),
+            "verify": pg.PlotDataItem(pen=None, symbol="o", symbolPen=None, symbolBrush=_verify_brush(color)),
         }
         items["prefill"].setZValue(-1)  # behind every line: a prefill never covers a series
         for key, item in items.items():
-            (self.latency_plot if key in ("decode", "prefill") else self.memory_plot).addItem(item)
+            (self.latency_plot if key in LATENCY_ITEMS else self.memory_plot).addItem(item)
             if key != "prefill":  # after addItem, which applies the plot's own (off) downsampling to the item
                 item.setDownsampling(auto=True, method="peak")
                 item.setClipToView(True)
@@ -248,6 +272,8 @@ class MetricsPanel(QWidget):
         if plot == "latency":
             items["decode"].setData(run.values("decode_x"), run.values("decode_ms"))
             items["prefill"].setData(run.values("prefill_x"), run.values("prefill_ms"))
+            items["verify"].setData(run.values("verify_x"), run.values("verify_ms"),
+                                    symbolSize=verify_marker_sizes(run.values("verify_n")))
         else:
             x = run.values("mem_x")
             for name in ("allocated", "used", "theoretical"):

@@ -5,12 +5,13 @@ from __future__ import annotations
 from PySide6.QtCore import QByteArray, QSettings
 
 from app.style import default_system_prompt
-from engine.config import BLOCK_SIZES, CACHE_STRATEGIES, SamplingParams
+from engine.config import BLOCK_SIZES, CACHE_STRATEGIES, SamplingParams, SpeculativeConfig
 
 ORGANIZATION = "kvscope"
 APPLICATION = "kvscope"
 MENU_BLOCK_SIZES = tuple(b for b in BLOCK_SIZES if b >= 8)
 BACKENDS = ("local", "remote")
+SPECULATIVE_MENU_MODES = ("off", "lookup")  # the draft-model mode needs a second loaded model: not offered yet
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "repetition_penalty", "max_new_tokens", "seed")
 
 
@@ -104,6 +105,29 @@ class AppSettings:
     def show_side_panel(self, value: bool) -> None:
         self.q.setValue("view/side_panel", bool(value))
 
+    # --- speculative decoding: off or prompt lookup, and the most draft tokens per step -------------------------
+    @property
+    def speculative_mode(self) -> str:
+        value = self._get("speculative/mode", "off", str)
+        return value if value in SPECULATIVE_MENU_MODES else "off"
+
+    @speculative_mode.setter
+    def speculative_mode(self, value: str) -> None:
+        self.q.setValue("speculative/mode", value if value in SPECULATIVE_MENU_MODES else "off")
+
+    @property
+    def max_draft_tokens(self) -> int:
+        value = self._get("speculative/max_draft_tokens", SpeculativeConfig().max_draft_tokens, int)
+        return value if 1 <= value <= 64 else SpeculativeConfig().max_draft_tokens
+
+    @max_draft_tokens.setter
+    def max_draft_tokens(self, value: int) -> None:
+        self.q.setValue("speculative/max_draft_tokens", int(value))
+
+    @property
+    def speculative(self) -> SpeculativeConfig:
+        return SpeculativeConfig(self.speculative_mode, self.max_draft_tokens)
+
     @property
     def sampling(self) -> SamplingParams:
         defaults = SamplingParams()
@@ -114,9 +138,9 @@ class AppSettings:
             raw = self.q.value(f"sampling/{name}", default)
             values[name] = None if raw in (None, "", "none") else self._get(f"sampling/{name}", default, kind)
         try:
-            return SamplingParams(**values)
+            return SamplingParams(**values, speculative=self.speculative)
         except ValueError:
-            return defaults
+            return SamplingParams(speculative=self.speculative)
 
     @sampling.setter
     def sampling(self, params: SamplingParams) -> None:

@@ -49,7 +49,8 @@ class Run:
     last_pos: int = -1
     dirty: set = field(default_factory=lambda: {"latency", "memory"})  # plots that have not drawn the last steps
     columns: dict[str, Column] = field(default_factory=lambda: {name: Column() for name in (
-        "decode_x", "decode_ms", "prefill_x", "prefill_ms", "mem_x", "allocated", "used", "theoretical")})
+        "decode_x", "decode_ms", "prefill_x", "prefill_ms", "mem_x", "allocated", "used", "theoretical",
+        "verify_x", "verify_ms", "verify_n")})
 
     def values(self, name: str) -> np.ndarray:
         return self.columns[name].values
@@ -65,7 +66,11 @@ class Run:
                 c["prefill_ms"].append(event.per_token_ms)
         else:
             c["decode_x"].append(event.pos)
-            c["decode_ms"].append(event.latency_ms)
+            c["decode_ms"].append(event.latency_ms / max(getattr(event, "n_produced", 1), 1))  # ms per token
+            if getattr(event, "n_drafted", 0):  # a speculative verify step: also a marker sized by its tokens
+                c["verify_x"].append(event.pos)
+                c["verify_ms"].append(event.latency_ms / max(event.n_produced, 1))
+                c["verify_n"].append(event.n_produced)
         c["mem_x"].append(event.pos)
         for name in ("allocated", "used", "theoretical"):
             c[name].append(_mib(getattr(event.kv, f"bytes_{name}")))
