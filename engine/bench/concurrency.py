@@ -243,14 +243,17 @@ def summarize(r: dict) -> str:
 
 
 def plot(r: dict, path) -> None:
-    fig, (ax1, ax2) = report.figure(2)
-    names = [c["name"].replace(" (", "\n(") for c in r["configs"]]
-    ax1.bar(names, [c["admitted"] for c in r["configs"]], color="tab:green")
-    ax1.set(title="concurrent sequences in the budget", ylabel="sequences")
-    ax2.bar(names, [100 * (c["utilisation"] or 0) for c in r["configs"]], color="tab:blue")
-    ax2.axhline(95, color="gray", ls=":")
-    ax2.set(title="utilisation of the memory holding tokens", ylabel="%", ylim=(0, 100))
+    names = [c["name"] for c in r["configs"]]
+    fig, (ax1, ax2) = report.figure_for_rows(len(names), 2, width=5.5)
+    colors = [report.color(n.split(" ")[0]) for n in names]  # by strategy: contiguous, paged, paged-int8
+    ax1.barh(range(len(names)), [c["admitted"] for c in r["configs"]], color=colors)
+    ax1.set(title="concurrent sequences in the budget", xlabel="sequences")
+    report.integer_ticks(ax1.xaxis)
+    ax2.barh(range(len(names)), [100 * (c["utilisation"] or 0) for c in r["configs"]], color=colors)
+    ax2.axvline(95, color="gray", ls=":")
+    ax2.set(title="utilisation of the memory holding tokens", xlabel="%", xlim=(0, 100))
     for ax in (ax1, ax2):
-        ax.tick_params(axis="x", labelsize=7, rotation=45)
-        ax.grid(alpha=0.3, axis="y")
+        report.categories(ax, names)
+        ax.grid(alpha=0.3, axis="x")
+    ax2.tick_params(labelleft=False)  # the same rows as the left panel
     report.save(fig, path)

@@ -130,5 +130,5 @@ def plot(r: dict, path) -> None:
             yscale="log")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+    report.legend_outside(ax2, ax1)  # the same series in both panels: one legend, beside the plots
     report.save(fig, path)

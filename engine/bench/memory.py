@@ -126,15 +126,15 @@ def summarize(r: dict) -> str:
 
 
 def plot(r: dict, path) -> None:
-    fig, (ax,) = report.figure(1, width=9)
     rows = [x for x in r["rows"] if "full-context" not in x["strategy"] and x["strategy"] != "none"]
-    labels = [f"{x['strategy']}\n{x['dtype']} {x['tokens']}t\n{'small' if 'small' in x['model'] else 'real'}"
-              for x in rows]
-    xs = range(len(rows))
-    ax.bar([x - 0.2 for x in xs], [x["measured_per_token"] for x in rows], 0.4, label="measured")
-    ax.bar([x + 0.2 for x in xs], [x["formula_per_token"] for x in rows], 0.4, label="formula")
-    ax.set_xticks(list(xs), labels, fontsize=7)
-    ax.set(title="KV bytes per token: measured vs formula", ylabel="bytes / token", yscale="log")
-    ax.grid(alpha=0.3, axis="y")
-    ax.legend()
+    fig, (ax,) = report.figure_for_rows(len(rows), width=8)
+    labels = [f"{x['strategy']}, {x['dtype'].split(' (')[0]}, {x['tokens']} tokens, "
+              f"{'small model' if 'small' in x['model'] else 'real model'}" for x in rows]
+    ys = range(len(rows))
+    for name, key, shift in (("measured", "measured_per_token", -0.2), ("formula", "formula_per_token", 0.2)):
+        ax.barh([y + shift for y in ys], [x[key] for x in rows], 0.4, label=name, color=report.color(name))
+    report.categories(ax, labels)
+    ax.set(title="KV bytes per token: measured vs formula", xlabel="bytes / token", xscale="log")
+    ax.grid(alpha=0.3, axis="x")
+    report.legend_outside(ax)
     report.save(fig, path)

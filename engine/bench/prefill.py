@@ -59,5 +59,5 @@ def plot(r: dict, path) -> None:
                   [str(n) for n in r["lengths"]])
     ax.set(title="prefill throughput", xlabel="prompt tokens", ylabel="tokens / s")
     ax.grid(alpha=0.3, axis="y")
-    ax.legend()
+    report.legend_outside(ax)
     report.save(fig, path)

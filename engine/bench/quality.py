@@ -128,9 +128,10 @@ def plot(r: dict, path) -> None:
     fig, (ax,) = report.figure(1, width=7)
     for name, c in comparisons(r).items():
         xs = [CHUNK * (i + 1) for i in range(len(c["kl_by_chunk"]))]
-        ax.plot(xs, [k if k > 0 else float("nan") for k in c["kl_by_chunk"]], label=name, lw=1)
+        ax.plot(xs, [k if k > 0 else float("nan") for k in c["kl_by_chunk"]], label=name, lw=1,
+                color=report.color(name))
     ax.set(title="KL(full || quantized) per 64-token chunk", xlabel="position in the text (tokens)",
            ylabel="mean KL (nats)", yscale="log")
     ax.grid(alpha=0.3)
-    ax.legend()
+    report.legend_outside(ax)
     report.save(fig, path)

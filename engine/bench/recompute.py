@@ -132,10 +132,11 @@ def plot(r: dict, path) -> None:
             ax1.plot(c["sampled_positions"], c["sampled_ms"], "o", color=report.color(s), label=f"{s} (sampled)")
             ax2.plot(range(real, len(c["wall_ms"]) + 1), [w / 1000 for w in c["wall_ms"][real - 1:]], "--",
                      color=report.color(s), label=f"{s} (integrated)")
-    ax1.set(title="per-token decode latency vs position", xlabel="position (tokens)", ylabel="ms / token")
+    ax1.set(title="per-token decode latency vs position", xlabel="position (tokens)", ylabel="ms / token",
+            yscale="log")  # 'none' is 10-20x the cached strategies: a linear axis would flatten them
     ax2.set(title="total time to generate n tokens", xlabel="tokens generated", ylabel="seconds",
             xscale="log", yscale="log")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
-        ax.legend()
+    report.legend_outside(ax2, ax1)  # the same series in both panels: one legend, beside the plots
     report.save(fig, path)

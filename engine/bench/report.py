@@ -4,15 +4,36 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-STYLE = {"none": "tab:red", "contiguous": "tab:blue", "paged": "tab:green", "paged-int8": "tab:olive",
-         "transformers": "tab:purple", "transformers fp8 cache": "tab:pink", "llama.cpp": "tab:brown"}
+# One fixed colour per series name (a qualitative palette: tab10 first, then the darker and lighter tab20 shades),
+# so a series has the same colour in every plot and no two series of one plot share a colour.
+PALETTE = {
+    "none": "#d62728",
+    "contiguous": "#1f77b4",
+    "contiguous, no reuse": "#1f77b4",
+    "contiguous, reuse": "#17becf",
+    "paged": "#2ca02c",
+    "paged, reuse": "#2ca02c",
+    "paged, prefix cache across conversations": "#ff7f0e",
+    "paged-int8": "#bcbd22",
+    "paged, bf16 decode weights": "#8c564b",
+    "transformers": "#9467bd",
+    "transformers fp8 cache": "#e377c2",
+    "llama.cpp": "#7f7f7f",
+    "measured": "#1f77b4",
+    "formula": "#ff7f0e",
+    "engine paged-int8 vs paged": "#bcbd22",
+    "transformers fp8 cache vs dynamic": "#e377c2",
+}
+EXTRA_COLORS = ("#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5")
 
 
 def fmt(x, digits: int = 3) -> str:
@@ -46,11 +67,44 @@ def section(title: str, *parts: str) -> str:
     return "\n\n".join([f"## {title}", *[p for p in parts if p]])
 
 
-def color(name: str) -> str | None:
-    for key in sorted(STYLE, key=len, reverse=True):
-        if key in name:
-            return STYLE[key]
-    return None
+def color(name: str) -> str:
+    """The series' fixed colour; a name outside the palette gets a stable one of the extra colours."""
+    if name in PALETTE:
+        return PALETTE[name]
+    return EXTRA_COLORS[zlib.crc32(name.encode()) % len(EXTRA_COLORS)]
+
+
+def line(ax, name: str, xs, ys, **kwargs) -> None:
+    """One labelled series in its own colour, with markers."""
+    ax.plot(xs, ys, kwargs.pop("fmt", "o-"), label=name, color=color(name), ms=4, **kwargs)
+
+
+def integer_ticks(axis) -> None:
+    """Ticks only at whole numbers (turns, sequences): never 2.5."""
+    axis.set_major_locator(MaxNLocator(integer=True))
+
+
+def legend_outside(ax, *others) -> None:
+    """The legend to the right of the plot area, where it cannot cover a series; with other axes given, one
+    legend for the series of all of them (each label once)."""
+    entries: dict[str, object] = {}
+    for a in (*others, ax):
+        for handle, label in zip(*a.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    ax.legend(list(entries.values()), list(entries), loc="upper left", bbox_to_anchor=(1.02, 1.0),
+              borderaxespad=0, fontsize=8, frameon=False)
+
+
+def categories(ax, labels: list[str]) -> None:
+    """Categories down the y axis, first on top, for horizontal bars: a label per row, so however long the
+    labels are, neighbours never overlap (slanted labels under vertical bars do)."""
+    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    ax.set_ylim(len(labels) - 0.5, -0.5)
+
+
+def figure_for_rows(n_rows: int, ncols: int = 1, width: float = 6.0):
+    """A figure tall enough for n_rows horizontal bars (or groups of bars) per axes."""
+    return figure(ncols, width=width, height=max(2.5, 1.2 + 0.42 * n_rows))
 
 
 def figure(ncols: int = 1, width: float = 6.0, height: float = 4.2):
@@ -59,9 +113,48 @@ def figure(ncols: int = 1, width: float = 6.0, height: float = 4.2):
 
 
 def save(fig, path: Path) -> None:
+    global last_saved
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # "tight": legends placed outside the axes stay in the image
+    last_saved = describe(fig)
     plt.close(fig)
+
+
+last_saved: dict = {}  # describe() of the last figure saved: what tests check a benchmark's plot showed
+
+
+def describe(fig) -> dict:
+    """What a drawn figure shows, per axes: its labelled series and their colours, the x tick values and
+    whether any two x tick labels, or the legend and a series, overlap on the canvas."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    return {"axes": [_describe_axes(ax, renderer) for ax in fig.axes]}
+
+
+def _describe_axes(ax, renderer) -> dict:
+    series = {h.get_label(): matplotlib.colors.to_hex(_face(h)) for h in _labelled(ax)}
+    legend = ax.get_legend()
+    covers = legend is not None and ax.get_window_extent(renderer).overlaps(legend.get_window_extent(renderer))
+    lo, hi = sorted(ax.get_xlim())
+    ticks = [float(t) for t in ax.get_xticks() if lo <= t <= hi]
+    return {"title": ax.get_title(), "series": series, "n_series": len(_labelled(ax)), "xticks": ticks,
+            "tick_labels_overlap": _overlap(ax.get_xticklabels(), renderer) or _overlap(ax.get_yticklabels(), renderer),
+            "legend_inside_axes": bool(covers)}
+
+
+def _overlap(labels, renderer) -> bool:
+    boxes = [t.get_window_extent(renderer) for t in labels if t.get_text() and t.get_visible()]
+    return any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+
+
+def _labelled(ax) -> list:
+    return [h for h in [*ax.lines, *ax.containers] if not h.get_label().startswith("_")]
+
+
+def _face(handle):
+    if hasattr(handle, "get_color"):
+        return handle.get_color()
+    return handle.patches[0].get_facecolor()  # a bar container: its first bar
 
 
 def write_json(path: Path, data: dict) -> None:

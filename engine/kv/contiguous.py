@@ -1,12 +1,18 @@
-"""'contiguous': per sequence, one K and one V buffer reserved up to the context limit when it starts."""
+"""'contiguous': per sequence, one K and one V buffer reserved up to the context limit when it starts.
+
+With prefix reuse (the default, as llama.cpp keeps one contiguous cache per slot) a new turn keeps the longest
+common prefix of what the buffer holds and the new prompt, and cuts the rest; without it every turn starts a
+new reservation and prefills the whole history again.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.kv.base import KVCache, KVCacheFull, KVStats, StepView
+from engine.kv.paged import common_prefix_length
 
 
 @dataclass
@@ -14,6 +20,7 @@ class Reservation:
     k: torch.Tensor  # [L, Hkv, capacity, D]
     v: torch.Tensor  # [L, Hkv, capacity, D]
     length: int = 0
+    tokens: list[int] = field(default_factory=list)  # the ids whose keys and values are held
 
     @property
     def capacity(self) -> int:
@@ -41,10 +48,12 @@ class ContiguousView(StepView):
 class ContiguousCache(KVCache):
     """The article's naive KV cache: memory reserved up front, whatever the sequence ends up using.
 
-    A new turn starts a new reservation and prefills the whole history again (no prefix reuse).
+    prefix_reuse: a new turn keeps the common prefix in the same reservation (True), or starts a new
+    reservation and prefills the whole history again (False).
     """
 
     name = "contiguous"
+    prefix_reuse = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -54,6 +63,11 @@ class ContiguousCache(KVCache):
         capacity = min(reserve_tokens or self.max_context, self.max_context)
         if len(token_ids) > capacity:
             raise KVCacheFull(f"{len(token_ids)} tokens do not fit a reservation of {capacity}")
+        held = self.reservations.get(seq_id)
+        if self.prefix_reuse and held is not None and held.capacity >= len(token_ids):
+            keep = min(common_prefix_length(held.tokens, token_ids), len(token_ids) - 1)
+            self.truncate(seq_id, keep)  # at least one token is left to compute: its logits start the reply
+            return keep
         self.release(seq_id)
         c = self.config
         shape = (c.num_layers, c.num_kv_heads, capacity, c.head_dim)
@@ -69,16 +83,30 @@ class ContiguousCache(KVCache):
         for s, p, n in zip(seq_ids, past, n_new):
             if p + n > self.reservations[s].capacity:
                 raise KVCacheFull(f"sequence {s} reserved {self.reservations[s].capacity} tokens, needs {p + n}")
-        return ContiguousView(self, seq_ids, past, n_new)
+        view = ContiguousView(self, seq_ids, past, n_new)
+        view.new_tokens = new_tokens
+        return view
 
     def commit_step(self, view):
-        for buf, end in zip(view.buffers, view.kv_len):
+        for buf, end, tokens in zip(view.buffers, view.kv_len, view.new_tokens):
             buf.length = end
+            buf.tokens += tokens
 
     def truncate(self, seq_id, keep):
         self.check_truncate(seq_id, keep)
         if seq_id in self.reservations:
             self.reservations[seq_id].length = keep
+            del self.reservations[seq_id].tokens[keep:]
+
+    def fork(self, src: int, dst: int) -> None:
+        """dst starts holding what src holds: one buffer per sequence cannot share, so the bytes are copied
+        (a branch of a conversation, or a new conversation from a shared system prompt)."""
+        buf, n = self.reservations[src], self.reservations[src].length
+        self.release(dst)
+        copy = Reservation(torch.empty_like(buf.k), torch.empty_like(buf.v), n, list(buf.tokens))
+        copy.k[:, :, :n] = buf.k[:, :, :n]  # [L, Hkv, n, D]
+        copy.v[:, :, :n] = buf.v[:, :, :n]
+        self.reservations[dst] = copy
 
     def release(self, seq_id):
         self.reservations.pop(seq_id, None)
