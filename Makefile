@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: setup
+	@$(VENV)/bin/python -m app.platform_check  # on Linux: a display, and the libraries Qt's xcb plugin needs
 	$(VENV)/bin/python main.py
 
 test: setup
