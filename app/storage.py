@@ -37,9 +37,9 @@ def save_conversation(path: str | Path, data: dict | Conversation) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as e:
+    except (OSError, UnicodeEncodeError) as e:
         _remove_quietly(tmp)
-        raise StorageError(f"Could not save to {path}: {e.strerror or e}") from None
+        raise StorageError(f"Could not save to {path}: {getattr(e, 'strerror', None) or e}") from None
     _fsync_dir(path.parent)
 
 
@@ -59,10 +59,26 @@ def open_conversation(path: str | Path) -> Conversation:
     except json.JSONDecodeError as e:
         raise StorageError(f"{path.name} is not a kvscope conversation: invalid JSON ({e.msg}, line {e.lineno})") \
             from None
+    except RecursionError:
+        raise StorageError(f"{path.name} is not a kvscope conversation: its JSON is nested too deeply") from None
+    except ValueError as e:  # a number of more digits than Python converts to an int
+        raise StorageError(f"{path.name} is not a kvscope conversation: {e}") from None
+    if not _is_unicode(data):
+        raise StorageError(f"{path.name} is not a kvscope conversation: its text holds an unpaired surrogate (a "
+                           "\\ud800-\\udfff escape), which is not Unicode")
     try:
         return Conversation.from_dict(data)
     except ConversationFormatError as e:
         raise StorageError(f"{path.name} is not a kvscope conversation: {e}") from None
+
+
+def _is_unicode(data) -> bool:
+    """Whether the data can be written back as UTF-8 (JSON escapes can decode to lone surrogates)."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _remove_quietly(path: str) -> None:

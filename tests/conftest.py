@@ -1,14 +1,18 @@
-"""Shared fixtures: a tiny random Llama with the real tokenizer (fast), and the real default model."""
+"""Shared fixtures: a tiny random Llama with the real tokenizer (fast), the same written as model folders (for
+real loads), and the real default model, loaded once for the whole session."""
 
 from __future__ import annotations
 
+import gc
 import os
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 from engine import loader  # noqa: E402
+from engine.bench.common import real_text, write_tiny_model  # noqa: E402
 from engine.config import EngineConfig, ModelConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.model import LlamaModel  # noqa: E402
@@ -17,10 +21,27 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, nu
             rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=True)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def frozen_imports():
+    """What collection imported (torch, transformers, Qt, pyqtgraph: some 400,000 objects) moves to the collector's
+    permanent generation, so the gc.collect() after each app test costs milliseconds instead of half a second, and
+    gc.get_objects() counts what the tests create."""
+    freeze_what_is_alive()
+    yield
+    gc.unfreeze()
+
+
+def freeze_what_is_alive() -> None:
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture(scope="session")
 def default_weights():
     """The default model's converted weights and tokenizer (converted once into the user cache)."""
-    return loader.load_weights(None)
+    weights = loader.load_weights(None)
+    freeze_what_is_alive()  # what loading imported (most of transformers) joins the permanent generation
+    return weights
 
 
 @pytest.fixture(scope="session")
@@ -47,6 +68,30 @@ def tiny_engine_factory(tiny_config, tokenizer):
         return Engine(model, tokenizer, EngineConfig(cache=cache, block_size=block_size, **kwargs), "tiny-random")
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model_folder(tmp_path_factory, tokenizer) -> Path:
+    """The tiny random Llama of `bench --tiny` as a Hugging Face folder with the real tokenizer (loads in ~0.5 s)."""
+    return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-random", tokenizer)
+
+
+@pytest.fixture(scope="session")
+def small_vocab_model_folder(tmp_path_factory, tokenizer) -> Path:
+    """The tiny Llama with a 400-token byte-level BPE vocabulary trained on real text and the real chat template:
+    a whole model load (config, safetensors, tokenizer) in milliseconds, for tests that load many times."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator([real_text()[:20_000]], trainer)
+    small = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|im_start|>", eos_token="<|im_end|>")
+    small.chat_template = tokenizer.chat_template
+    return write_tiny_model(tmp_path_factory.mktemp("models") / "small-vocab", small)
 
 
 @pytest.fixture(scope="session")

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import gc
+import threading
+import time
 
 import shiboken6
-from PySide6.QtCore import QCoreApplication, QEvent, QObject, QSettings
+from PySide6.QtCore import QCoreApplication, QEvent, QObject, QSettings, QTimer
 
 from app.main_window import MainWindow
 from app.settings import AppSettings
@@ -17,6 +19,7 @@ LONG_SYSTEM_PROMPT = (
     "in fenced blocks, and you keep every answer under one hundred words unless asked for more detail."
 )
 TURN_TIMEOUT_MS = 120_000
+HANG_GUARD_S = 60  # how long a helper waits for the other thread before calling it a hang (never a timing bound)
 
 
 def make_settings(tmp_path) -> AppSettings:
@@ -30,10 +33,12 @@ def greedy(max_new_tokens: int = 12) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=NEVER_STOP)
 
 
-def open_window(qtbot, settings: AppSettings, engine, max_new_tokens: int = 12) -> MainWindow:
+def open_window(qtbot, settings: AppSettings, engine, max_new_tokens: int = 12, show: bool = True) -> MainWindow:
+    """show=False: never painted (loops that open and close many windows skip the first paint, ~0.1 s)."""
     window = MainWindow(settings=settings, engine=engine)  # the caller disposes of it (see dispose)
     window.sampling_override = greedy(max_new_tokens)
-    window.show()
+    if show:
+        window.show()
     qtbot.waitUntil(lambda: window.info is not None and bool(window.snapshot), timeout=TURN_TIMEOUT_MS)
     return window
 
@@ -137,3 +142,54 @@ def send(qtbot, window, text: str, timeout: int = TURN_TIMEOUT_MS, expect_error:
 
 def worker_messages(window) -> list[tuple[str, str]]:
     return [(m["role"], m["content"]) for m in window.snapshot["messages"]]
+
+
+class StepProbe(QObject):
+    """Watches every forward of an engine's model: records the thread it runs on, and holds it until the GUI
+    thread's timer has ticked once. So each step proves that the GUI thread processed an event while the step was
+    under way (a tick per step, whatever the machine's load); a step run on the GUI thread would never see its
+    tick and would be counted as missed after HANG_GUARD_S."""
+
+    def __init__(self, model, interval_ms: int = 1):
+        super().__init__()
+        self.threads: list[int] = []
+        self.ticks_in_steps = self.missed = 0
+        self._ticked = threading.Event()
+        self._timer = QTimer(self, interval=interval_ms)
+        self._timer.timeout.connect(self._ticked.set)
+        self._timer.start()
+        self._hook = model.register_forward_pre_hook(self._in_step)
+
+    def _in_step(self, _module, _args) -> None:  # on the thread that runs the step
+        self.threads.append(threading.get_ident())
+        self._ticked.clear()
+        if not self.missed and self._ticked.wait(HANG_GUARD_S):
+            self.ticks_in_steps += 1
+        else:
+            self.missed += 1
+
+    def remove(self) -> None:
+        self._hook.remove()
+        self._timer.stop()
+
+
+class CloseGate:
+    """Holds the worker thread at a chosen point (a prefill step, a decode step, a model load) until the GUI thread
+    has begun closing the window, so that the close lands exactly there. hold() runs on the worker thread; it
+    reads the worker's closing flag, which the window sets first thing when it shuts the worker down."""
+
+    def __init__(self, window):
+        self.worker = window.client.worker
+        self.reached = threading.Event()
+        self.closed_inside = 0
+        self.armed = True
+
+    def hold(self) -> None:
+        if not self.armed:
+            return
+        self.armed = False
+        self.reached.set()
+        deadline = time.monotonic() + HANG_GUARD_S
+        while not self.worker._closing and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        self.closed_inside += self.worker._closing

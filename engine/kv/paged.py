@@ -258,7 +258,8 @@ class PagedCache(KVCache):
     def truncate(self, seq_id, keep):
         self.check_truncate(seq_id, keep)
         seq = self.seqs.get(seq_id)
-        if seq is not None and keep < len(seq.tokens):
+        surplus = seq is not None and len(seq.blocks) > -(-keep // self.block_size)  # a step that never committed
+        if seq is not None and (keep < len(seq.tokens) or surplus):
             self._truncate(seq, keep)
         if seq is not None:
             self._register_full_blocks(seq, keep)  # drafts that survived a rollback are accepted tokens
