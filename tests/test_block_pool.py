@@ -8,7 +8,14 @@ from dataclasses import dataclass, field
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from engine.kv.base import BLOCK_CACHED, BLOCK_FREE, BLOCK_OWN, KVCacheFull
 from engine.kv.block_pool import BlockPool, PoolExhausted
@@ -54,10 +61,19 @@ def test_a_fresh_pool_has_every_block_free():
     pool.check_invariants()
 
 
-@pytest.mark.parametrize("num_blocks, block_size", [(0, 4), (4, 0), (-1, 4)])
-def test_a_pool_needs_at_least_one_block_of_at_least_one_token(num_blocks, block_size):
+@pytest.mark.parametrize("num_blocks, block_size", [(4, 0), (-1, 4)])
+def test_a_pool_needs_a_block_size_of_at_least_one_token_and_no_negative_count(num_blocks, block_size):
     with pytest.raises(ValueError):
         BlockPool(num_blocks, block_size)
+
+
+def test_a_pool_may_start_empty_and_then_has_nothing_to_allocate():
+    pool = BlockPool(0, BS)
+    assert (pool.num_blocks, pool.num_free, pool.num_cached, pool.num_used) == (0, 0, 0, 0)
+    assert pool.allocate(0) == [] and not pool.can_allocate(1)
+    with pytest.raises(PoolExhausted):
+        pool.allocate(1)
+    pool.check_invariants()
 
 
 def test_pool_exhausted_is_a_kv_cache_full_error():
@@ -189,6 +205,83 @@ def test_out_of_range_block_ids_are_errors_everywhere(block):
     with pytest.raises(ValueError):
         pool.register(block, 123, tokens(0))
     assert pool.refcount(0) == 1
+
+
+# ---- growth and give-back ---------------------------------------------------------------------------------
+
+
+def test_growing_adds_free_blocks_with_the_next_ids_at_the_back_of_the_free_list():
+    pool = BlockPool(2, BS)
+    a, b = pool.allocate(2)
+    pool.free([a])
+    assert pool.grow(3) == range(2, 5)
+    assert (pool.num_blocks, pool.num_free, pool.num_used) == (5, 4, 1)
+    assert pool.allocate(4) == [a, 2, 3, 4]  # the block freed before the growth comes first
+    pool.check_invariants()
+
+
+def test_growing_changes_no_held_block_and_no_cached_block():
+    pool = BlockPool(3, BS)
+    a, b, c = pool.allocate(3)
+    chain = register_chain(pool, [a, b])
+    pool.share(b)
+    pool.free([a])
+    before = [(pool.refcount(x), pool.block_hash_of(x)) for x in (a, b, c)]
+    pool.grow(5)
+    assert [(pool.refcount(x), pool.block_hash_of(x)) for x in (a, b, c)] == before
+    assert [pool.lookup(h, toks) for h, toks in chain] == [a, b]
+    assert pool.is_cached(a) and pool.num_free == 5
+    pool.check_invariants()
+
+
+def test_growing_by_less_than_one_block_is_an_error():
+    pool = BlockPool(1, BS)
+    for n in (0, -1):
+        with pytest.raises(ValueError):
+            pool.grow(n)
+    assert pool.num_blocks == 1
+
+
+def test_giving_back_removes_trailing_free_blocks_and_keeps_the_free_list_order():
+    pool = BlockPool(6, BS)
+    blocks = pool.allocate(6)
+    pool.free([blocks[5], blocks[1], blocks[4]])
+    assert pool.can_give_back(2) and not pool.can_give_back(3)
+    pool.give_back(2)
+    assert (pool.num_blocks, pool.num_free, pool.num_used) == (4, 1, 3)
+    assert pool.states() == [BLOCK_OWN, BLOCK_FREE, BLOCK_OWN, BLOCK_OWN]
+    assert pool.allocate(1) == [1]
+    pool.check_invariants()
+
+
+def test_giving_back_a_used_or_cached_block_raises_and_changes_nothing():
+    pool = BlockPool(4, BS)
+    a, b, c, d = pool.allocate(4)
+    register_chain(pool, [c])
+    pool.free([c, d])  # c cached, d free; a and b in use
+    before = snapshot(pool)
+    with pytest.raises(ValueError, match="block 2 is cached"):
+        pool.give_back(2)
+    with pytest.raises(ValueError, match="block 1 is in use"):
+        pool.give_back(3)
+    for n in (-1, 5):
+        with pytest.raises(ValueError):
+            pool.give_back(n)
+        assert not pool.can_give_back(n)
+    assert snapshot(pool) == before
+    pool.give_back(1)
+    assert pool.num_blocks == 3 and pool.is_cached(c)
+    pool.check_invariants()
+
+
+def test_a_pool_can_give_back_everything_and_grow_again():
+    pool = BlockPool(3, BS)
+    pool.free(pool.allocate(3))
+    pool.give_back(3)
+    assert (pool.num_blocks, pool.num_free) == (0, 0)
+    pool.grow(2)
+    assert pool.allocate(2) == [0, 1]
+    pool.check_invariants()
 
 
 # ---- prefix caching ---------------------------------------------------------------------------------------
@@ -359,7 +452,7 @@ token_block = st.tuples(*[st.integers(0, 2)] * MODEL_BLOCK_SIZE)  # few values, 
 class BlockPoolMachine(RuleBasedStateMachine):
     """Sequences allocate, grow, fork, hit cached prefixes and finish, against a reference model."""
 
-    @initialize(num_blocks=st.integers(1, 8))
+    @initialize(num_blocks=st.integers(0, 8))
     def make_pool(self, num_blocks):
         self.pool = BlockPool(num_blocks, MODEL_BLOCK_SIZE)
         self.seqs: dict[int, Seq] = {}
@@ -509,6 +602,41 @@ class BlockPoolMachine(RuleBasedStateMachine):
             del self.registered[h]
         seq.chain.pop()
 
+    @rule(n=st.integers(1, 4))
+    def grow_the_pool(self, n):
+        held = {seq_id: list(seq.blocks) for seq_id, seq in self.seqs.items()}
+        old = self.pool.num_blocks
+        assert self.pool.grow(n) == range(old, old + n)
+        self.free_list.extend(range(old, old + n))
+        assert {seq_id: seq.blocks for seq_id, seq in self.seqs.items()} == held
+
+    @rule(n=st.integers(0, 6))
+    def give_back_the_last_blocks_if_they_are_free(self, n):
+        pool = self.pool
+        in_free_list = set(self.free_list)
+        expected = n <= pool.num_blocks and all(b in in_free_list for b in range(pool.num_blocks - n, pool.num_blocks))
+        assert pool.can_give_back(n) is expected
+        if not expected:
+            known = [(h, list(toks)) for h, (_, toks) in self.registered.items()]
+            before = snapshot(pool, known)
+            with pytest.raises(ValueError):
+                pool.give_back(n)
+            assert snapshot(pool, known) == before
+            return
+        pool.give_back(n)
+        kept = pool.num_blocks
+        assert all(b < kept for seq in self.seqs.values() for b in seq.blocks), "a held block was given back"
+        self.free_list = deque(b for b in self.free_list if b < kept)
+
+    @rule()
+    def give_back_the_whole_free_tail(self):
+        in_free_list, n = set(self.free_list), 0
+        while n < self.pool.num_blocks and self.pool.num_blocks - 1 - n in in_free_list:
+            n += 1
+        self.pool.give_back(n)
+        assert n == self.pool.num_blocks or not self.pool.can_give_back(1)
+        self.free_list = deque(b for b in self.free_list if b < self.pool.num_blocks)
+
     @rule(extra=st.integers(1, 3))
     def ask_for_more_than_the_pool_has(self, extra):
         self.expect_exhaustion(self.pool.num_free + self.pool.num_cached + extra)
@@ -519,7 +647,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         if blocks:
             self.add_seq(Seq(blocks))
 
-    @precondition(lambda self: self.seqs)
+    @precondition(lambda self: self.seqs and self.pool.num_blocks)
     @rule(data=st.data())
     def freeing_a_block_more_times_than_it_is_held_raises_and_changes_nothing(self, data):
         """A valid free of a held block, then one block freed once more than its reference count."""
@@ -541,6 +669,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
     def the_pool_agrees_with_the_model(self):
         pool = self.pool
         pool.check_invariants()
+        STEPS_RUN[0] += 1
         refcounts = self.expected_refcounts()
         assert [pool.refcount(b) for b in range(pool.num_blocks)] == refcounts
         assert pool.num_free + pool.num_cached + pool.num_used == pool.num_blocks
@@ -565,5 +694,11 @@ class BlockPoolMachine(RuleBasedStateMachine):
         assert self.pool.num_free + self.pool.num_cached == self.pool.num_blocks
 
 
-BlockPoolMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
-TestBlockPoolMachine = BlockPoolMachine.TestCase
+STEPS_RUN = [0]  # operations checked against the model, across all examples of one run
+MACHINE_SETTINGS = settings(max_examples=250, stateful_step_count=64, deadline=None)  # ~13,000 operations, ~15 s
+
+
+def test_the_pool_agrees_with_the_reference_model_over_at_least_10000_random_operations():
+    STEPS_RUN[0] = 0
+    run_state_machine_as_test(BlockPoolMachine, settings=MACHINE_SETTINGS)
+    assert STEPS_RUN[0] >= 10_000

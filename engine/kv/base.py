@@ -34,6 +34,8 @@ class KVStats:
     num_blocks_free: int = 0
     num_blocks_cached: int = 0
     block_states: bytes = b""  # one byte per physical block, see BLOCK_* below
+    bytes_budget: int = 0  # the most the strategy may hold (paged: the pool's budget); 0: no fixed budget
+    num_blocks_budget: int = 0  # the most blocks a growing pool may hold (num_blocks: the blocks it holds now)
 
 BLOCK_FREE, BLOCK_OWN, BLOCK_OTHER, BLOCK_CACHED = 0, 1, 2, 3
 

@@ -19,7 +19,11 @@ class PoolExhausted(KVCacheFull):
 
 
 class BlockPool:
-    """Physical blocks 0..num_blocks-1, each free, used or cached.
+    """Physical blocks 0..num_blocks-1, each free, used or cached. The pool grows and shrinks at its end.
+
+    Growing adds free blocks with the next ids; giving back removes trailing blocks that are free (not used,
+    not cached). Neither changes the id, reference count or hash of any other block, so a held block id stays
+    valid for as long as it is held.
 
     Invariants (checked by `check_invariants`):
     - every reference count is >= 0;
@@ -35,8 +39,8 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
+        if num_blocks < 0 or block_size < 1:
+            raise ValueError(f"num_blocks must be >= 0 and block_size >= 1, got {num_blocks} and {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._refcounts = [0] * num_blocks
@@ -121,6 +125,37 @@ class BlockPool:
             if self._refcounts[block] == 0:
                 self._release(block)
 
+    # ---- growth and give-back -------------------------------------------------------------------------
+
+    def grow(self, n: int) -> range:
+        """Add n free blocks with the next ids, at the back of the free list; returns their ids."""
+        if n < 1:
+            raise ValueError(f"a pool grows by at least one block, got {n}")
+        new = range(self.num_blocks, self.num_blocks + n)
+        self.num_blocks += n
+        self._refcounts += [0] * n
+        self._hash_of += [None] * n
+        self._token_ids_of += [None] * n
+        self._free.extend(new)
+        return new
+
+    def can_give_back(self, n: int) -> bool:
+        """Whether the last n blocks are all free (no holder, no hash)."""
+        return 0 <= n <= self.num_blocks and all(self._is_free(b) for b in range(self.num_blocks - n, self.num_blocks))
+
+    def give_back(self, n: int) -> None:
+        """Remove the last n blocks, which must all be free; raises ValueError with nothing changed otherwise."""
+        if not 0 <= n <= self.num_blocks:
+            raise ValueError(f"cannot give back {n} blocks of a pool of {self.num_blocks}")
+        kept = self.num_blocks - n
+        busy = [b for b in range(kept, self.num_blocks) if not self._is_free(b)]
+        if busy:
+            raise ValueError(f"cannot give back blocks {kept}..{self.num_blocks - 1}: block {busy[0]} is "
+                             f"{'cached' if self.is_cached(busy[0]) else 'in use'}")
+        self.num_blocks = kept
+        del self._refcounts[kept:], self._hash_of[kept:], self._token_ids_of[kept:]
+        self._free = deque(b for b in self._free if b < kept)
+
     # ---- prefix caching --------------------------------------------------------------------------------
 
     def register(self, block: int, block_hash: int, token_ids: Sequence[int]) -> bool:
@@ -171,6 +206,10 @@ class BlockPool:
     def check_invariants(self) -> None:
         free = set(self._free)
         assert len(free) == len(self._free), f"a block is on the free list twice: {list(self._free)}"
+        sizes = (len(self._refcounts), len(self._hash_of), len(self._token_ids_of))
+        assert sizes == (self.num_blocks,) * 3, f"per-block lists of lengths {sizes} for {self.num_blocks} blocks"
+        outside = [b for b in (*free, *self._cached_lru, *self._block_of_hash.values()) if not 0 <= b < self.num_blocks]
+        assert not outside, f"blocks {outside} are listed but the pool has {self.num_blocks}"
         for block in range(self.num_blocks):
             refs, block_hash = self._refcounts[block], self._hash_of[block]
             assert refs >= 0, f"block {block} has reference count {refs}"
@@ -201,6 +240,9 @@ class BlockPool:
         self._check_block_id(block)
         if self._refcounts[block] == 0:
             raise ValueError(f"block {block} is not in use")
+
+    def _is_free(self, block: int) -> bool:
+        return self._refcounts[block] == 0 and self._hash_of[block] is None
 
     def _state_of(self, block: int) -> int:
         if self._refcounts[block] >= 1:

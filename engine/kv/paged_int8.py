@@ -9,7 +9,12 @@ from __future__ import annotations
 import torch
 
 from engine.kv import quant
-from engine.kv.paged import PagedCache, PagedView, Sequence, take
+from engine.kv.paged import PagedCache, PagedView, ReadPlan, Sequence, take
+
+
+def pick(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """x, or x[:, index] along dim 1."""
+    return x if index is None else x.index_select(1, index)
 
 
 class Int8View(PagedView):
@@ -18,12 +23,12 @@ class Int8View(PagedView):
         for i, seq_id in enumerate(self.seq_ids):
             c.store(layer, self.tables[i], c.windows[seq_id], self.past[i], k[i, :, : self.n_new[i]],
                     v[i, :, : self.n_new[i]])
-        return self.attend_each(q, lambda i: self._dequantized(layer, i))
+        return self.attend_pieces(q, lambda i: [self._dequantized(layer, i)])
 
     def _dequantized(self, layer: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         c, length = self.cache, self.kv_len[i]
-        keys, values = c.workspace(length)  # [Hkv, S, D] each, full precision
-        c.dequantize_into(layer, self.tables[i], c.windows[self.seq_ids[i]], length, keys, values)
+        keys, values = c.workspace(length)  # [Hkv, S, D] each, full precision, in the plan's key order
+        c.dequantize_into(layer, self.reads[i], c.windows[self.seq_ids[i]], length, keys, values)
         return keys, values
 
 
@@ -33,17 +38,17 @@ class PagedInt8Cache(PagedCache):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.bytes_per_element = 1
-
-    def _allocate_storage(self, num_slots: int) -> None:
-        c = self.config
-        shape = (c.num_layers, c.num_kv_heads, num_slots, c.head_dim)
-        num_blocks = num_slots // self.block_size
-        self.k = torch.zeros(shape, dtype=torch.int8, device=self.device)
-        self.v = torch.zeros(shape, dtype=torch.int8, device=self.device)
-        self.k_scale = torch.zeros(shape[:2] + (num_blocks, c.head_dim), dtype=quant.SCALE_DTYPE, device=self.device)
-        self.v_scale = torch.zeros(shape[:3], dtype=quant.SCALE_DTYPE, device=self.device)
         self.windows: dict[int, torch.Tensor] = {}
         self._workspace = torch.zeros((), dtype=self.dtype, device=self.device)
+
+    def _chunk_tensors(self, num_blocks: int, device) -> list[torch.Tensor]:
+        """int8 keys and values [L, Hkv, slots, D]; key scales [L, Hkv, blocks, D]; value scales [L, Hkv, slots]."""
+        c = self.config
+        shape = (c.num_layers, c.num_kv_heads, num_blocks * self.block_size, c.head_dim)
+        k, v = (torch.zeros(shape, dtype=torch.int8, device=device) for _ in range(2))
+        k_scale = torch.zeros(shape[:2] + (num_blocks, c.head_dim), dtype=quant.SCALE_DTYPE, device=device)
+        v_scale = torch.zeros(shape[:3], dtype=quant.SCALE_DTYPE, device=device)
+        return [k, v, k_scale, v_scale]
 
     def workspace(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Scratch buffers, reused across sequences, layers and steps, that held keys and values are
@@ -54,9 +59,6 @@ class PagedInt8Cache(PagedCache):
             shape = (2, c.num_kv_heads, capacity, c.head_dim)
             self._workspace = torch.zeros(shape, dtype=self.dtype, device=self.device)
         return self._workspace[0, :, :length], self._workspace[1, :, :length]
-
-    def storage_tensors(self):
-        return [self.k, self.v, self.k_scale, self.v_scale]
 
     def _new_window(self) -> torch.Tensor:
         c = self.config
@@ -86,56 +88,81 @@ class PagedInt8Cache(PagedCache):
         values = torch.cat([window[1, layer, :, :held], v], dim=1)
         full = keys.shape[1] // bs
         if full:
-            blocks = torch.tensor(table[past // bs: past // bs + full], device=self.device)
+            blocks = table[past // bs: past // bs + full]
             self._store_blocks(layer, blocks, keys[:, : full * bs], values[:, : full * bs])
         rest = keys.shape[1] - full * bs
         window[0, layer, :, :rest] = keys[:, full * bs:]
         window[1, layer, :, :rest] = values[:, full * bs:]
 
-    def _store_blocks(self, layer: int, blocks: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _store_blocks(self, layer: int, blocks: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [Hkv, len(blocks) * block_size, D] full precision -> int8 and scales in those blocks."""
         h, n, d = k.shape
-        slots = self.block_slots(blocks)
-        k_q, k_scale = quant.quantize_keys(k.view(h, n // self.block_size, self.block_size, d))
-        v_q, v_scale = quant.quantize_values(v)
-        self.k[layer].index_copy_(1, slots, k_q.view(h, n, d))
-        self.k_scale[layer].index_copy_(1, blocks, k_scale)
-        self.v[layer].index_copy_(1, slots, v_q)
-        self.v_scale[layer].index_copy_(1, slots, v_scale)
+        bs = self.block_size
+        k_q, k_scale = quant.quantize_keys(k.view(h, n // bs, bs, d))  # [Hkv, blocks, bs, D], [Hkv, blocks, D]
+        v_q, v_scale = quant.quantize_values(v)  # [Hkv, n, D], [Hkv, n]
+        k_q = k_q.view(h, n, d)
+        for chunk, offsets, sources in self._blocks_by_chunk(blocks):
+            k_c, v_c, k_scale_c, v_scale_c = (t[layer] for t in self.chunks[chunk])
+            slots = self.block_slots(offsets)
+            source_slots = None if sources is None else self.block_slots(sources)
+            k_c.index_copy_(1, slots, pick(k_q, source_slots))
+            k_scale_c.index_copy_(1, offsets, pick(k_scale, sources))
+            v_c.index_copy_(1, slots, pick(v_q, source_slots))
+            v_scale_c.index_copy_(1, slots, pick(v_scale, source_slots))
 
-    def _held_blocks(self, table: list[int], full: int) -> tuple[torch.Tensor | slice, torch.Tensor | slice]:
-        """Indices of the first `full` blocks and of their slots: slices when the blocks are consecutive."""
-        slots = self.held_slots(table, full * self.block_size) if full else slice(0, 0)
-        if isinstance(slots, slice):
-            return slice(slots.start // self.block_size, slots.stop // self.block_size), slots
-        return torch.tensor(table[:full], device=self.device), slots
+    def _blocks_by_chunk(self, blocks: list[int]) -> list[tuple[int, torch.Tensor, torch.Tensor | None]]:
+        """(chunk, offsets of the blocks in it, their indices in `blocks` or None for all of them, in order)."""
+        by_chunk: dict[int, list[int]] = {}
+        for j, block in enumerate(blocks):
+            by_chunk.setdefault(self.layout.chunk_of[block], []).append(j)
+        dev = self.device
+        return [(chunk, torch.tensor([self.layout.locate(blocks[j])[1] for j in js], device=dev),
+                 None if len(by_chunk) == 1 else torch.tensor(js, device=dev)) for chunk, js in by_chunk.items()]
 
-    def dequantize_into(self, layer: int, table: list[int], window: torch.Tensor, length: int,
+    def block_slots(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Slots of the given blocks (of one chunk, or of a run of new blocks), in order: [len(blocks) * bs]."""
+        bs = self.block_size
+        return (blocks[:, None] * bs + torch.arange(bs, device=self.device)).flatten()
+
+    def read_plan(self, table: list[int], length: int, masked: bool = False) -> ReadPlan:
+        """The pieces of the full blocks (quantized); the partly filled last block is in the window, after them."""
+        full = length // self.block_size * self.block_size
+        plan = super().read_plan(table, full, masked) if full else ReadPlan([])
+        if plan.key_positions is not None:
+            window = torch.arange(full, length, device=self.device)
+            plan.key_positions = torch.cat([plan.key_positions, window])
+        return plan
+
+    def dequantize_into(self, layer: int, plan: ReadPlan, window: torch.Tensor, length: int,
                         keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Write the sequence's `length` keys and values, full precision, into keys/values [Hkv, >=length, D]."""
-        bs, h, d = self.block_size, self.k.shape[1], self.k.shape[3]
-        full = length // bs
-        n = full * bs
-        blocks, slots = self._held_blocks(table, full)
-        k_q, v_q = take(self.k[layer], slots), take(self.v[layer], slots)  # [Hkv, n, D] int8
-        quant.dequantize_keys(k_q.view(h, full, bs, d), take(self.k_scale[layer], blocks), self.dtype, keys[:, :n])
-        quant.dequantize_values(v_q, take(self.v_scale[layer], slots), self.dtype, values[:, :n])
-        keys[:, n:length] = window[0, layer, :, : length - n]
-        values[:, n:length] = window[1, layer, :, : length - n]
+        """Write the sequence's `length` keys and values, full precision and in the plan's order (the window
+        last), into keys/values [Hkv, >=length, D]."""
+        bs, start = self.block_size, 0
+        for chunk, slots in plan.pieces:
+            k_c, v_c, k_scale_c, v_scale_c = (t[layer] for t in self.chunks[chunk])
+            k_q, v_q = take(k_c, slots), take(v_c, slots)  # [Hkv, S_p, D] int8
+            h, n, d = k_q.shape
+            blocks = slice(slots.start // bs, slots.stop // bs) if isinstance(slots, slice) else slots[::bs] // bs
+            out = slice(start, start + n)
+            quant.dequantize_keys(k_q.view(h, n // bs, bs, d), take(k_scale_c, blocks), self.dtype, keys[:, out])
+            quant.dequantize_values(v_q, take(v_scale_c, slots), self.dtype, values[:, out])
+            start += n
+        keys[:, start:length] = window[0, layer, :, : length - start]
+        values[:, start:length] = window[1, layer, :, : length - start]
 
     def read_keys_values(self, layer, table, window, length) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> keys, values [Hkv, length, D] of the sequence, dequantized (fresh tensors)."""
+        """-> keys, values [Hkv, length, D] of the sequence in position order, dequantized (fresh tensors)."""
         c = self.config
         keys = torch.empty(c.num_kv_heads, length, c.head_dim, dtype=self.dtype, device=self.device)
         values = torch.empty_like(keys)
-        self.dequantize_into(layer, table, window, length, keys, values)
+        plan = self.read_plan(table, length, masked=True)
+        self.dequantize_into(layer, plan, window, length, keys, values)
+        if plan.key_positions is not None:  # pieces out of position order: put the keys back in order
+            order = torch.argsort(plan.key_positions)
+            keys, values = keys.index_select(1, order), values.index_select(1, order)
         return keys, values
 
     # ---- keeping the prefix cache consistent
-    def _copy_block(self, src: int, dst: int) -> None:
-        bs = self.block_size
-        for t in (self.k, self.v, self.v_scale):
-            t[:, :, dst * bs:(dst + 1) * bs] = t[:, :, src * bs:(src + 1) * bs]
-        self.k_scale[:, :, dst] = self.k_scale[:, :, src]
 
     def _keep_tokens(self, seq: Sequence, keep: int) -> None:
         """Truncating into a block that was full: its kept tokens go back to the full-precision window."""
