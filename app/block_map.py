@@ -104,7 +104,8 @@ class BlockMap(QWidget):
         if not kv.num_blocks or not kv.block_states:
             why = NO_BLOCKS_TEXT.get(kv.strategy, "does not use a block pool.")
             self.message.setText(f"The '{kv.strategy}' strategy has no blocks: it {why}")
-            self.summary.setText(f"{kv.tokens:,} tokens held")
+            self.summary.setText(f"nothing held: the {kv.tokens:,}-token context is recomputed every step"
+                                 if kv.strategy == "none" else f"{kv.tokens:,} tokens held")
             self.stack.setCurrentWidget(self.message)
             self.legend.hide()
             return

@@ -17,7 +17,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.model_info import ModelInfo
+from app.model_info import ModelInfo, kv_bytes
 from app.style import default_system_prompt, human_bytes
 from engine.config import SamplingParams
 
@@ -110,12 +110,17 @@ def about_html(info: ModelInfo | None) -> str:
     head = ("<h3>kvscope</h3><p>A local LLM chat that shows, live, what the KV cache is doing.</p>")
     if info is None:
         return head + "<p>No model is loaded yet.</p>"
-    per_token = info.bytes_per_token()
+    kv = kv_bytes(info)  # the same figures as the side panel's
+    blocks = f", block size {info.block_size}" if info.cache_strategy.startswith("paged") else ""
+    reuse = "kept between turns (prefix reuse)" if info.prefix_reuse else "prefilled again every turn"
+    full = f"{human_bytes(kv.bytes_per_token * info.max_context)}"
+    held = (f"A full {info.max_context:,}-token context needs {full}." if kv.holds_kv else
+            f"'none' holds nothing: every step recomputes the context. A cache would need this "
+            f"({full} for a full {info.max_context:,}-token context).")
     return head + (
         f"<p><b>Model:</b> {escape(info.model_name)}<br><b>Device:</b> {escape(info.device)} "
         f"({escape(info.dtype_name)})<br><b>Context:</b> {info.max_context:,} tokens<br>"
-        f"<b>Cache:</b> {escape(info.cache_strategy)}, block size {info.block_size}</p>"
+        f"<b>Cache:</b> {escape(info.cache_strategy)}{blocks}; the history is {reuse}</p>"
         f"<p><b>KV bytes per token</b> = 2 × bytes/element × layers × KV heads × head_dim<br>"
-        f"= {escape(info.formula())} ({human_bytes(per_token)})<br>"
-        f"A full {info.max_context:,}-token context needs {human_bytes(per_token * info.max_context)}.</p>"
+        f"= {escape(kv.formula)} ({human_bytes(kv.bytes_per_token)})<br>{escape(held)}</p>"
     )

@@ -17,6 +17,7 @@ class EngineClient(QObject):
     _regenerate = Signal(int, object)
     _edit = Signal(int, str, object)
     _set_cache = Signal(str, int)
+    _set_prefix_reuse = Signal(bool)
     _new_conversation = Signal(object)
     _open_conversation = Signal(object)
     _set_system_prompt = Signal(object)
@@ -37,6 +38,7 @@ class EngineClient(QObject):
         w = self.worker
         pairs = ((self._load, w.load), (self._use_engine, w.use_engine), (self._generate, w.generate),
                  (self._regenerate, w.regenerate), (self._edit, w.edit_and_resend), (self._set_cache, w.set_cache),
+                 (self._set_prefix_reuse, w.set_prefix_reuse),
                  (self._new_conversation, w.new_conversation), (self._open_conversation, w.open_conversation),
                  (self._set_system_prompt, w.set_system_prompt))
         for signal, slot in pairs:
@@ -72,6 +74,10 @@ class EngineClient(QObject):
     def set_cache(self, strategy: str, block_size: int) -> None:
         """Applied between turns: a generation in progress finishes with the old strategy."""
         self._set_cache.emit(strategy, block_size)
+
+    def set_prefix_reuse(self, on: bool) -> None:
+        """Applied between turns, like a change of strategy."""
+        self._set_prefix_reuse.emit(on)
 
     def new_conversation(self, system_prompt: str | None) -> None:
         self._new_conversation.emit(system_prompt)

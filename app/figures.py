@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from html import escape
 
-from app.model_info import ModelInfo
+from app.model_info import ModelInfo, kv_bytes
 from app.style import TEXT_MUTED, human_bytes, strategy_color
 
 INT8_BYTES = 1
@@ -14,7 +14,7 @@ def figure_rows(info: ModelInfo | None, kv, last_done=None) -> list[tuple[str, s
     """kv: the latest KVStats (or None); last_done: the last turn's DoneEvent (or None)."""
     if info is None:
         return [("Model", "loading…", "")]
-    rows = [_bytes_per_token(info, kv), _gqa(info), _int8(info, kv)]
+    rows = [_bytes_per_token(info), _gqa(info), _int8(info)]
     if kv is not None:
         rows += [_utilisation(kv), _memory_now(kv)]
     rows.append(_prefix_hits(last_done))
@@ -36,11 +36,12 @@ def strategy_badge(strategy: str) -> str:
     return f'<span style="color:{strategy_color(strategy)};">■</span> {escape(strategy)}'
 
 
-def _bytes_per_token(info: ModelInfo, kv) -> tuple[str, str, str]:
-    strategy = kv.strategy if kv is not None else info.cache_strategy
-    bpe = kv.bytes_per_element if kv is not None and kv.bytes_per_element else info.dtype_bytes
-    value = f"{human_bytes(info.bytes_per_token(bpe))} / token ({strategy})"
-    return ("KV bytes per token", value, info.formula(bpe))
+def _bytes_per_token(info: ModelInfo) -> tuple[str, str, str]:
+    kv = kv_bytes(info)  # the same figures as Help → About
+    if not kv.holds_kv:
+        return ("KV bytes per token", "nothing held (none)",
+                f"none keeps no keys or values; a cache would need {kv.formula} ({human_bytes(kv.bytes_per_token)})")
+    return ("KV bytes per token", f"{human_bytes(kv.bytes_per_token)} / token ({kv.strategy})", kv.formula)
 
 
 def _gqa(info: ModelInfo) -> tuple[str, str, str]:
@@ -51,12 +52,11 @@ def _gqa(info: ModelInfo) -> tuple[str, str, str]:
     return ("Grouped-query saving", value, detail)
 
 
-def _int8(info: ModelInfo, kv) -> tuple[str, str, str]:
-    full = info.dtype_bytes
-    if kv is not None and kv.strategy == "paged-int8" and kv.bytes_per_element:
-        ratio = full / kv.bytes_per_element
-        return ("int8 compression", f"{ratio:.2f}× smaller",
-                f"{info.dtype_name}: {full} B/element → int8 with scales: {kv.bytes_per_element:.3g} B/element")
+def _int8(info: ModelInfo) -> tuple[str, str, str]:
+    full, kv = info.dtype_bytes, kv_bytes(info)
+    if kv.strategy == "paged-int8":
+        return ("int8 compression", f"{full / kv.bytes_per_element:.2f}× smaller",
+                f"{info.dtype_name}: {full} B/element → int8 with scales: {kv.bytes_per_element:.4g} B/element")
     return ("int8 compression", f"up to {full / INT8_BYTES:g}× with paged-int8",
             f"{info.dtype_name} stores {full} B/element; int8 stores {INT8_BYTES} B plus its scales")
 
@@ -73,6 +73,10 @@ def _utilisation(kv) -> tuple[str, str, str]:
 
 
 def _memory_now(kv) -> tuple[str, str, str]:
+    if kv.strategy == "none":
+        return ("KV memory now", "0 B: nothing held",
+                f"none holds no tokens; every step recomputes the {kv.tokens:,}-token context "
+                f"(a cache would hold {human_bytes(kv.bytes_theoretical)})")
     detail = (f"{kv.tokens:,} tokens held; theoretical {human_bytes(kv.bytes_theoretical)}, "
               f"used {human_bytes(kv.bytes_used)}")
     return ("KV memory now", human_bytes(kv.bytes_allocated), detail)

@@ -30,6 +30,7 @@ from app.metrics_panel import MetricsPanel
 from app.settings import AppSettings
 from app.status_bar import StatusBar
 from app.status_fit import StatusFit
+from app.storage import reply_record
 from app.style import RESOURCES, apply_theme
 from app.window_actions import WindowActions
 
@@ -39,9 +40,10 @@ MIN_SIZE = (740, 480)  # the chat's and the side panel's minimum widths side by 
 
 class MainWindow(QMainWindow):
     def __init__(self, settings: AppSettings | None = None, engine=None, model: str | None = None,
-                 cache: str | None = None, block_size: int | None = None):
+                 cache: str | None = None, block_size: int | None = None, prefix_reuse: bool | None = None):
         super().__init__()
         self.settings = settings or AppSettings()
+        self.prefix_reuse = self.settings.prefix_reuse if prefix_reuse is None else prefix_reuse
         self.info = None
         self.generating = False
         self.loading = False
@@ -107,6 +109,8 @@ class MainWindow(QMainWindow):
         m.quit.triggered.connect(self.close)
         m.strategy_group.triggered.connect(lambda _action: self.set_cache(*m.chosen_cache()))
         m.block_size_group.triggered.connect(lambda _action: self.set_cache(*m.chosen_cache()))
+        m.prefix_reuse.setChecked(self.prefix_reuse)
+        m.prefix_reuse.triggered.connect(self.set_prefix_reuse)
         m.sampling.triggered.connect(a.edit_sampling)
         m.system_prompt.triggered.connect(a.edit_system_prompt)
         m.backend.triggered.connect(lambda: self.backends.edit())
@@ -128,6 +132,7 @@ class MainWindow(QMainWindow):
         s.error.connect(self._on_error)
         s.stats.connect(self._on_stats)
         s.conversation.connect(self._on_conversation)
+        self.client.set_prefix_reuse(self.prefix_reuse)  # before the model loads: its cache starts that way
 
     # --- chat actions ---------------------------------------------------------------------------------------------
     def send(self, text: str) -> None:
@@ -164,6 +169,7 @@ class MainWindow(QMainWindow):
         self.status.showMessage("Stopping…", 2000)
 
     def _start_reply(self) -> None:
+        self.status.start_reply()
         self.chat.clear_error()
         self.chat.add_message("assistant", "")
         self._set_generating(True)
@@ -178,6 +184,7 @@ class MainWindow(QMainWindow):
         self.chat.clear()
         self.chat.clear_error()
         self.metrics.new_conversation()
+        self.status.new_conversation()
         self.client.new_conversation(self.settings.system_prompt)
 
     def load_model(self, model: str | None, remember: bool = True) -> None:
@@ -194,6 +201,13 @@ class MainWindow(QMainWindow):
         when = "from the next turn" if self.generating else "now"
         blocks = f", block size {block_size}" if strategy.startswith("paged") else ""  # only blocks have a size
         self.status.showMessage(f"Cache: {strategy}{blocks} (applies {when})", 5000)
+
+    def set_prefix_reuse(self, on: bool) -> None:
+        self.prefix_reuse = self.settings.prefix_reuse = on
+        self.client.set_prefix_reuse(on)
+        what = "kept between turns" if on else "prefilled again every turn"
+        when = "from the next turn" if self.generating else "now"
+        self.status.showMessage(f"The history is {what} (applies {when})", 5000)
 
     def _set_side_panel(self, visible: bool) -> None:
         self.side.setVisible(visible)
@@ -222,6 +236,7 @@ class MainWindow(QMainWindow):
 
     def _on_step(self, event) -> None:
         self.metrics.add_step(event)
+        self.status.add_step(event)
         self._last_step = event
 
     def _on_finished(self, done) -> None:
@@ -229,6 +244,7 @@ class MainWindow(QMainWindow):
             message = self.chat.messages[-1]
             message.set_text(done.text)
             message.set_footer(_footer(done))
+            message.reply = reply_record(done)  # what File → Save keeps of it
         self._refresh_live()
         self.status.set_done(done)
         self.status.set_context(done.n_prompt_tokens + done.n_generated_tokens)
@@ -272,6 +288,10 @@ class MainWindow(QMainWindow):
             self.status.set_kv(event.kv)
             self.status.set_context(event.pos + 1)
 
+    @staticmethod
+    def reply_footer(done) -> str:
+        return _footer(done)
+
     # --- closing --------------------------------------------------------------------------------------------------
     def closeEvent(self, event) -> None:  # noqa: N802 (Qt override)
         self.settings.save_window_state(self.saveGeometry(), self.splitter.saveState())
@@ -301,7 +321,8 @@ def run_gui(args) -> int:
     apply_theme(app)
     app.setWindowIcon(QIcon(str(RESOURCES / "icon.svg")))
     window = MainWindow(model=getattr(args, "model", None), cache=getattr(args, "cache", None),
-                        block_size=getattr(args, "block_size", None))
+                        block_size=getattr(args, "block_size", None),
+                        prefix_reuse={"on": True, "off": False}.get(getattr(args, "prefix_reuse", None)))
     window.show()
     prompts = getattr(args, "demo", None)
     if prompts:

@@ -22,6 +22,10 @@ REMOTE_TIP = ("Applies to the local engine only: the server chooses its own mode
               "(Settings → Backend switches back to the local engine)")
 
 
+PREFIX_REUSE_TIP = ("prefix reuse: a new turn computes only what follows the history the cache holds; off: "
+                    "every turn prefills the whole history again")
+
+
 class Menus:
     def __init__(self, window: QMainWindow):
         self.window = window
@@ -69,6 +73,7 @@ class Menus:
             action.setData(size)
             self.block_size_group.addAction(action)
             self.block_sizes[size] = action
+        self.prefix_reuse = self._action(menu, "&Keep the cache between turns", checkable=True, tip=PREFIX_REUSE_TIP)
         menu.addSeparator()
         self.sampling = self._action(menu, "Sa&mpling…")
         self._speculative(menu.addMenu("Speculative &decoding"))
@@ -130,6 +135,8 @@ class Menus:
             submenu.setEnabled(not remote)
             submenu.menuAction().setToolTip(REMOTE_TIP if remote else submenu.title().replace("&", ""))
             submenu.menuAction().setStatusTip(REMOTE_TIP if remote else "")
+        self.prefix_reuse.setEnabled(not remote)
+        self.prefix_reuse.setToolTip(REMOTE_TIP if remote else PREFIX_REUSE_TIP)
 
     def set_busy(self, busy: bool) -> None:
         """While a reply streams, actions that replace the conversation or the model wait."""

@@ -1,10 +1,16 @@
-"""What the app shows about the loaded model: a plain frozen record built on the worker thread."""
+"""What the app shows about the loaded model: a plain frozen record built on the worker thread.
+
+The KV bytes per token that Help → About and the side panel show both come from `kv_bytes(info)`: the active
+strategy's bytes per stored element (the model's dtype; paged-int8's 1 byte plus its float16 scales), read from
+the storage the strategy allocates when the record is built.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+SCALED = {"paged-int8": "int8 + float16 scales"}  # strategies whose elements carry scales beside them
 
 
 @dataclass(frozen=True)
@@ -19,6 +25,8 @@ class ModelInfo:
     head_dim: int
     cache_strategy: str
     block_size: int
+    kv_bytes_per_element: float = 0.0  # the active strategy's, scales included; 0: the dtype's
+    prefix_reuse: bool = True  # the cache is kept between turns
 
     @classmethod
     def from_engine(cls, engine) -> ModelInfo:
@@ -27,7 +35,8 @@ class ModelInfo:
             model_name=engine.model_name, device=str(engine.device), dtype_name=engine.dtype_name,
             max_context=engine.max_context, num_layers=mc.num_layers, num_heads=mc.num_heads,
             num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, cache_strategy=engine.cache_strategy,
-            block_size=engine.block_size,
+            block_size=engine.block_size, kv_bytes_per_element=strategy_bytes_per_element(engine),
+            prefix_reuse=engine.config.prefix_reuse,
         )
 
     @property
@@ -49,3 +58,35 @@ class ModelInfo:
     @property
     def gqa_ratio(self) -> float:
         return self.num_heads / self.num_kv_heads
+
+
+def strategy_bytes_per_element(engine) -> float:
+    """Bytes one stored K or V element costs under the engine's strategy: a paged pool's bytes per block (int8
+    data and its scales) over the elements a block holds; otherwise the cache's element size."""
+    cache, mc = engine.cache, engine.model_config
+    if not hasattr(cache, "bytes_per_block"):
+        return float(cache.bytes_per_element)
+    elements = cache.block_size * 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim
+    return cache.bytes_per_block() / elements
+
+
+@dataclass(frozen=True)
+class KVBytes:
+    """The formula filled in for the active strategy: the one source of About and the side panel."""
+
+    strategy: str
+    bytes_per_element: float
+    bytes_per_token: float
+    formula: str  # "2 × 4 B/element × 30 layers × 3 KV heads × 64 head_dim = 46,080 bytes/token"
+    holds_kv: bool  # False for 'none': the formula is then what a cache would need
+
+
+def kv_bytes(info: ModelInfo) -> KVBytes:
+    strategy = info.cache_strategy
+    holds_kv = strategy != "none"
+    bpe = info.kv_bytes_per_element if holds_kv and info.kv_bytes_per_element else info.dtype_bytes
+    what = f" ({SCALED[strategy]})" if strategy in SCALED else ""
+    total = info.bytes_per_token(bpe)
+    formula = (f"2 × {bpe:.4g} B/element{what} × {info.num_layers} layers × {info.num_kv_heads} KV heads × "
+               f"{info.head_dim} head_dim = {total:,.0f} bytes/token")
+    return KVBytes(strategy, bpe, total, formula, holds_kv)

@@ -48,6 +48,15 @@ class AppSettings:
         self.q.setValue("engine/block_size", int(value))
 
     @property
+    def prefix_reuse(self) -> bool:
+        """Keep the conversation's KV cache between turns and reuse the common prefix (on by default)."""
+        return self._get("engine/prefix_reuse", True, bool)
+
+    @prefix_reuse.setter
+    def prefix_reuse(self, value: bool) -> None:
+        self.q.setValue("engine/prefix_reuse", bool(value))
+
+    @property
     def model_path(self) -> str | None:
         return self._get("engine/model", "", str) or None
 

@@ -1,11 +1,36 @@
-"""The status bar: model, device, cache strategy, speed of the last reply, context used, KV memory now."""
+"""The status bar: model, device, cache strategy, speed and first-token time of the reply (live while it streams,
+then the finished reply's), context used, KV memory now. A new conversation resets them."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from PySide6.QtWidgets import QLabel, QProgressBar, QStatusBar, QWidget
 
 from app.model_info import ModelInfo
 from app.style import human_bytes, strategy_color
+
+
+@dataclass
+class LiveReply:
+    """The reply streaming now, from its step events: the same sums DoneEvent reports at the end."""
+
+    prefill_ms: float = 0.0
+    first_token: bool = False
+    decode_ms: float = 0.0
+    decode_tokens: int = 0
+
+    def add(self, event) -> None:
+        if event.phase == "prefill":
+            self.prefill_ms += event.latency_ms
+            self.first_token = self.first_token or event.token_id is not None
+        else:
+            self.decode_ms += event.latency_ms
+            self.decode_tokens += event.n_produced
+
+    @property
+    def tok_s(self) -> float | None:
+        return self.decode_tokens / (self.decode_ms / 1000) if self.decode_ms else None
 
 
 class StatusBar(QStatusBar):
@@ -24,6 +49,7 @@ class StatusBar(QStatusBar):
             self.labels[name] = label
             self.addPermanentWidget(label)
         self.max_context = 0
+        self.live: LiveReply | None = None
         self.set_model(None)
 
     def text(self, name: str) -> str:
@@ -40,8 +66,29 @@ class StatusBar(QStatusBar):
         self._set(model=info.model_name, device=f"{info.device} · {info.dtype_name}",
                   strategy=f'<span style="color:{color};">■</span> {info.cache_strategy}{block}')
 
+    def start_reply(self) -> None:
+        """A reply begins: the last reply's figures give way to this one's, filled in as its steps arrive."""
+        self.live = LiveReply()
+        self._set(speed="… tok/s", ttft="first token …")
+
+    def add_step(self, event) -> None:
+        if self.live is None:
+            return
+        self.live.add(event)
+        if self.live.first_token:
+            self._set(ttft=f"first token {self.live.prefill_ms:,.0f} ms")
+        if self.live.tok_s is not None:
+            self._set(speed=f"{self.live.tok_s:.1f} tok/s")
+
     def set_done(self, done) -> None:
+        self.live = None
         self._set(speed=f"{done.decode_tok_s:.1f} tok/s", ttft=f"first token {done.ttft_ms:,.0f} ms")
+
+    def new_conversation(self) -> None:
+        """Nothing said yet: no speed, no first token, an empty context."""
+        self.live = None
+        self._set(speed="– tok/s", ttft="first token –")
+        self.set_context(0)
 
     def set_context(self, used: int) -> None:
         limit = max(self.max_context, 1)

@@ -1,32 +1,67 @@
 """Conversation files: atomic save (temp file in the same folder, flush, fsync, os.replace) and validated open.
 
-A file that is not a kvscope conversation raises StorageError with a message fit for the user; nothing else
-changes, so the caller can show the message and carry on.
+Format versions (`"format": "kvscope-conversation"`):
+  1  system prompt, context start, and each message's role and text;
+  2  the same, and each reply's figures — what its footer shows — under "reply": prompt and generated tokens,
+     time to first token, tokens/s, prefix reused, strategy, why it ended ("cancelled" is the stopped tag) and
+     the speculative-decoding counts. Files of version 1 still open (their replies have no figures).
+A file that is not a kvscope conversation, or whose figures are malformed, raises StorageError with a message fit
+for the user; nothing else changes, so the caller can show the message and carry on.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.chat import Conversation, ConversationFormatError
+from engine.events import DoneEvent
 
 MAX_FILE_BYTES = 64 * 1024 * 1024
+VERSION = 2
+FINISH_REASONS = ("stop", "length", "cancelled")
+# a reply's figures: the DoneEvent fields its footer shows, and their kinds (int counts, float figures)
+REPLY_FIELDS = {"n_prompt_tokens": int, "n_generated_tokens": int, "ttft_ms": float, "decode_tok_s": float,
+                "finish_reason": str, "strategy": str, "prefix_hit_tokens": int, "n_decode_steps": int,
+                "n_decode_forwards": int, "n_drafted": int, "n_accepted": int}
+REQUIRED = ("n_prompt_tokens", "n_generated_tokens", "ttft_ms", "decode_tok_s", "finish_reason", "strategy",
+            "prefix_hit_tokens")
+
+
+@dataclass
+class SavedChat:
+    """An opened file: the conversation, and for each of its messages the reply's figures (None: none saved)."""
+
+    conversation: Conversation
+    replies: list[dict | None] = field(default_factory=list)
+
+    def done_event(self, index: int) -> DoneEvent | None:
+        """The saved reply as the DoneEvent its footer was made from (text: the message's)."""
+        reply = self.replies[index]
+        return None if reply is None else DoneEvent(self.conversation.messages[index].content, **reply)
+
+
+def reply_record(done) -> dict:
+    """What a finished reply's footer shows, as a JSON-ready record."""
+    return {name: kind(getattr(done, name)) for name, kind in REPLY_FIELDS.items() if hasattr(done, name)}
 
 
 class StorageError(ValueError):
     """A conversation could not be saved or opened; the message says why."""
 
 
-def save_conversation(path: str | Path, data: dict | Conversation) -> None:
-    """Write the conversation (a Conversation or its to_dict()) so the file is either old or new, never half."""
+def save_conversation(path: str | Path, data: dict | Conversation, replies: list[dict | None] | None = None) -> None:
+    """Write the conversation (a Conversation or its to_dict()) with each reply's figures (replies[i] for
+    message i, from reply_record) in the current format, so the file is either old or new, never half."""
     path = Path(path)
     if isinstance(data, Conversation):
         data = data.to_dict()
-    text = json.dumps(data, ensure_ascii=False, indent=2)
+    text = json.dumps(with_replies(data, replies or []), ensure_ascii=False, indent=2)
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as e:
@@ -43,9 +78,32 @@ def save_conversation(path: str | Path, data: dict | Conversation) -> None:
     _fsync_dir(path.parent)
 
 
+def with_replies(data: dict, replies: list[dict | None]) -> dict:
+    """The conversation dict in the current version, each assistant message with its reply's figures."""
+    messages = [dict(m) for m in data.get("messages", [])]
+    for message, reply in zip(messages, replies):
+        if reply is not None and message.get("role") == "assistant":
+            message["reply"] = dict(reply)
+    return {**data, "version": VERSION, "messages": messages}
+
+
 def open_conversation(path: str | Path) -> Conversation:
-    """Read and validate a conversation file."""
+    """Read and validate a conversation file (any version)."""
+    return open_chat(path).conversation
+
+
+def open_chat(path: str | Path) -> SavedChat:
+    """Read and validate a conversation file and the figures of its replies."""
     path = Path(path)
+    data = _read_json(path)
+    try:
+        replies = _replies(data)
+        return SavedChat(Conversation.from_dict(_as_version_1(data)), replies)
+    except ConversationFormatError as e:
+        raise StorageError(f"{path.name} is not a kvscope conversation: {e}") from None
+
+
+def _read_json(path: Path):
     try:
         if path.stat().st_size > MAX_FILE_BYTES:
             raise StorageError(f"{path.name} is too large to be a conversation ({path.stat().st_size:,} bytes)")
@@ -66,10 +124,50 @@ def open_conversation(path: str | Path) -> Conversation:
     if not _is_unicode(data):
         raise StorageError(f"{path.name} is not a kvscope conversation: its text holds an unpaired surrogate (a "
                            "\\ud800-\\udfff escape), which is not Unicode")
-    try:
-        return Conversation.from_dict(data)
-    except ConversationFormatError as e:
-        raise StorageError(f"{path.name} is not a kvscope conversation: {e}") from None
+    return data
+
+
+def _as_version_1(data):
+    """Version 2 less the replies' figures is version 1, which engine.chat reads."""
+    if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("messages"), list):
+        return data
+    messages = [{k: v for k, v in m.items() if k != "reply"} if isinstance(m, dict) else m for m in data["messages"]]
+    return {**data, "version": 1, "messages": messages}
+
+
+def _replies(data) -> list[dict | None]:
+    if not isinstance(data, dict) or data.get("version") not in (1, VERSION):
+        return []  # Conversation.from_dict says what is wrong
+    messages = data.get("messages") if isinstance(data.get("messages"), list) else []
+    return [_reply(i, m.get("reply"), m.get("role")) if isinstance(m, dict) else None for i, m in enumerate(messages)]
+
+
+def _reply(index: int, reply, role) -> dict | None:
+    if reply is None:
+        return None
+    where = f"message {index}'s reply figures"
+    if role != "assistant" or not isinstance(reply, dict):
+        raise ConversationFormatError(f"{where} must be an object on an assistant message")
+    missing = [name for name in REQUIRED if name not in reply]
+    unknown = sorted(set(reply) - set(REPLY_FIELDS))
+    if missing or unknown:
+        raise ConversationFormatError(f"{where} lack {', '.join(missing)}" if missing else
+                                      f"{where} have unknown fields {', '.join(unknown)}")
+    for name, value in reply.items():
+        _check_field(where, name, value)
+    return {name: REPLY_FIELDS[name](value) for name, value in reply.items()}
+
+
+def _check_field(where: str, name: str, value) -> None:
+    kind = REPLY_FIELDS[name]
+    if kind is str:
+        ok = isinstance(value, str) and (name != "finish_reason" or value in FINISH_REASONS)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    else:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    if not ok:
+        raise ConversationFormatError(f"{where}: {name} {value!r} is not a valid value")
 
 
 def _is_unicode(data) -> bool:

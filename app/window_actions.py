@@ -21,20 +21,30 @@ class WindowActions:
     def open_file(self, path: str) -> bool:
         w = self.window
         try:
-            conv = storage.open_conversation(path)
+            saved = storage.open_chat(path)
         except storage.StorageError as e:
             w.chat.show_error(str(e))
             return False
+        conv = saved.conversation
         w.chat.set_messages([(m.role, m.content) for m in conv.messages])
+        for i, message in enumerate(w.chat.messages):  # each reply's footer as it was saved
+            done = saved.done_event(i)
+            if done is not None:
+                message.reply = saved.replies[i]
+                message.set_footer(w.reply_footer(done))
         w.chat.clear_error()
         w.metrics.new_conversation()
+        w.status.new_conversation()
         w.client.open_conversation(conv)
         w.status.showMessage(f"Opened {path}", 4000)
         return True
 
     def save_file(self, path: str) -> bool:
+        w = self.window
+        n = len(w.snapshot.get("messages", []))  # a reply still streaming is not in the snapshot yet
+        replies = [getattr(m, "reply", None) for m in w.chat.messages[:n]]
         try:
-            storage.save_conversation(path, self.window.snapshot)
+            storage.save_conversation(path, w.snapshot, replies)
         except storage.StorageError as e:
             self.window.chat.show_error(str(e))
             return False

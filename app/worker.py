@@ -35,6 +35,7 @@ class EngineWorker(QObject):
         self.engine = engine
         self.conv = Conversation(system_prompt=system_prompt)
         self._cache, self._block_size = cache, block_size
+        self._prefix_reuse = True  # keep the conversation's cache between turns (Settings)
         self._cancel_upto = 0  # generation requests with an id <= this are cancelled
         self._closing = False
 
@@ -61,7 +62,7 @@ class EngineWorker(QObject):
         from engine.engine import Engine  # imported here: loading torch happens off the GUI thread
 
         try:
-            config = EngineConfig(cache=self._cache, block_size=self._block_size)
+            config = EngineConfig(cache=self._cache, block_size=self._block_size, prefix_reuse=self._prefix_reuse)
             engine = Engine.load(model, config, progress=self._progress)
         except Exception as e:  # noqa: BLE001 - every failure is reported; the old model stays loaded
             self.signals.error.emit(f"Could not load the model {model or '(default)'}: {e}")
@@ -74,6 +75,7 @@ class EngineWorker(QObject):
             self.engine.forget(self.conv)
         self.engine = engine
         self._cache, self._block_size = engine.cache_strategy, engine.block_size
+        engine.set_prefix_reuse(self._prefix_reuse)  # the window's setting decides, whoever built the engine
         self.signals.loaded.emit(ModelInfo.from_engine(engine))
         self._emit_state()
 
@@ -108,6 +110,14 @@ class EngineWorker(QObject):
             return
         self.signals.loaded.emit(ModelInfo.from_engine(self.engine))
         self._emit_state()
+
+    @Slot(bool)
+    def set_prefix_reuse(self, on: bool) -> None:
+        """From the next turn: keep the conversation's cache between turns, or prefill the history every turn."""
+        self._prefix_reuse = on
+        if self.engine is not None and not self._closing:
+            self.engine.set_prefix_reuse(on)
+            self.signals.loaded.emit(ModelInfo.from_engine(self.engine))
 
     @Slot(object)
     def new_conversation(self, system_prompt: str | None) -> None:

@@ -129,7 +129,8 @@ def test_the_figures_fill_in_the_bytes_per_token_formula_and_the_savings(panel):
 
 
 def test_the_int8_figure_shows_the_measured_compression():
-    rows = dict((title, value) for title, value, _ in figure_rows(SMOL, kv(10, "paged-int8", bpe=1.125)))
+    int8 = ModelInfo(**{**SMOL.__dict__, "cache_strategy": "paged-int8", "kv_bytes_per_element": 1.125})
+    rows = dict((title, value) for title, value, _ in figure_rows(int8, kv(10, "paged-int8", bpe=1)))
 
     assert rows["int8 compression"] == "3.56× smaller"
 

@@ -95,6 +95,9 @@ class RemoteClient(QObject):
     def set_cache(self, strategy: str, block_size: int) -> None:
         self._set_cache.emit(strategy, block_size)
 
+    def set_prefix_reuse(self, _on: bool) -> None:
+        """The server decides what it keeps between requests: nothing to send."""
+
     def new_conversation(self, system_prompt: str | None) -> None:
         self._new_conversation.emit(system_prompt)
 
