@@ -15,7 +15,9 @@ def run_serve(args) -> int:
     from server.app import create_app
 
     try:
-        config = EngineConfig(cache=args.cache, block_size=args.block_size or 16, pool_tokens=args.pool_tokens)
+        weights = {"weights": args.weights} if getattr(args, "weights", None) else {}  # default: the engine's auto
+        config = EngineConfig(cache=args.cache, block_size=args.block_size or 16, pool_tokens=args.pool_tokens,
+                              **weights)
         engine = Engine.load(args.model, config)
         scheduler = Scheduler(engine, SchedulerConfig(max_concurrency=args.max_concurrency))
     except Exception as e:  # noqa: BLE001 - a clear message and an exit code, not a traceback

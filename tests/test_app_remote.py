@@ -179,3 +179,18 @@ def test_switching_backends_from_settings(qtbot, tmp_path, server, model_dir, ti
         assert send(qtbot, window, "Hi").done[0].strategy == "paged"
     finally:
         dispose(window)
+
+
+def test_the_backend_dialog_lists_the_servers_models(qtbot, server):
+    from app.backends.dialog import BackendDialog
+
+    dialog = BackendDialog(BackendChoice("local", server.url))
+    qtbot.addWidget(dialog)
+    assert not dialog.model.isEnabled()  # server fields wait for "server" to be chosen
+    dialog.remote.setChecked(True)
+    dialog.fetch_models()
+    assert [dialog.model.itemText(i) for i in range(dialog.model.count())] == [MODEL]
+    assert dialog.choice() == BackendChoice("remote", server.url, None, MODEL)
+    dialog.url.setText(f"http://127.0.0.1:{free_port()}")
+    dialog.fetch_models()
+    assert "Cannot reach the server" in dialog.message.text()

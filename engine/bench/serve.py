@@ -46,7 +46,8 @@ def run(ctx: BenchContext, quick: bool) -> dict:
     max_tokens = QUICK_MAX_TOKENS if quick else MAX_TOKENS
     from server.process import ServerProcess  # the benchmark drives the server as any client would
 
-    args = ["--max-concurrency", "16", *(["--model", str(ctx.model_arg)] if ctx.model_arg else [])]
+    args = ["--max-concurrency", "16", *(["--model", str(ctx.model_arg)] if ctx.model_arg else []),
+            *(["--weights", weights] if (weights := getattr(ctx.engine.config, "weights", None)) else [])]
     threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or __import__("torch").get_num_threads()
     status(f"starting main.py serve ({threads} torch thread(s))")
     with ServerProcess(args, threads=threads) as server:
