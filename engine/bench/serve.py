@@ -184,17 +184,19 @@ def summarize(r: dict) -> str:
 
 
 def plot(r: dict, path) -> None:
-    fig, (left, right) = report.figure(2, width=11)
+    fig, (left, right) = report.figure(2, width=6)
     clients = r["clients"]
     for mode in ("batched", "one at a time"):
-        report.line(left, mode, clients, [r["streams"][f"{mode}/{n}"]["tok_s"] for n in clients])
-        report.line(right, f"{mode} p50", clients, [r["streams"][f"{mode}/{n}"]["itl_p50_ms"] for n in clients])
-        report.line(right, f"{mode} p99", clients, [r["streams"][f"{mode}/{n}"]["itl_p99_ms"] for n in clients],
-                    fmt="x--")
+        series = [r["streams"][f"{mode}/{n}"] for n in clients]
+        report.line(left, mode, clients, [s["tok_s"] for s in series])
+        color = report.color(mode)  # one colour per mode: p50 solid, p99 dashed
+        right.plot(clients, [s["itl_p50_ms"] for s in series], "o-", color=color, ms=4, label=f"{mode} p50")
+        right.plot(clients, [s["itl_p99_ms"] for s in series], "x--", color=color, ms=5, label=f"{mode} p99")
     left.set(title="aggregate throughput", xlabel="concurrent streaming clients", ylabel="tokens / s", xscale="log")
     right.set(title="inter-token latency", xlabel="concurrent streaming clients", ylabel="ms", xscale="log")
     for ax in (left, right):
         ax.set_xticks(clients, [str(n) for n in clients])
+        ax.minorticks_off()
         ax.grid(alpha=0.3)
         report.legend_outside(ax)
     report.save(fig, path)
