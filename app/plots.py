@@ -96,7 +96,7 @@ def make_plot(y_label: str) -> pg.PlotWidget:
     item.getAxis("left").setStyle(maxTextLevel=1)  # no labels on minor ticks
     item.getAxis("left").setWidth(LEFT_AXIS_WIDTH)
     plot.setMinimumHeight(MIN_PLOT_HEIGHT)
-    item.setRange(xRange=(0, 32), yRange=(0, 1), padding=0, disableAutoRange=False)  # until the first point
+    item.setRange(xRange=(0, 32), yRange=(0, 1), padding=0.03, disableAutoRange=False)  # until the first point
     item.addLegend().hide()  # the list of named series; SeriesLegend shows it outside the plot
     # two invisible points, not a data item of the plot: the autoranged y keeps headroom above the highest line
     item.headroom = pg.PlotDataItem(pen=pg.mkPen(None))
@@ -157,6 +157,8 @@ class SeriesLegend(QLabel):
         self.setText("&nbsp;&nbsp; ".join(
             f'<span style="white-space:nowrap;"><span style="color:{color};">{escape(glyph)}</span>&nbsp;'
             f'{escape(name)}</span>' for color, glyph, name in entries))
+        if getattr(self.parent(), "legend", None) is self:  # in a PlotBox that is built
+            self.parent().fit_height()
 
 
 class PlotBox(QWidget):
@@ -175,3 +177,17 @@ class PlotBox(QWidget):
         layout.addWidget(self.title)
         layout.addWidget(self.legend)
         layout.addWidget(plot, 1)
+
+    def resizeEvent(self, event) -> None:  # noqa: N802 (Qt override)
+        super().resizeEvent(event)
+        self.fit_height()
+
+    def fit_height(self) -> None:
+        """Room for the wrapped heading and legend at this width plus the plot's minimum: layouts size a wrapping
+        label for some other width, and the plot would be squeezed below its minimum (its x axis cut off)."""
+        width = max(self.width(), 1)
+        margins = self.layout().contentsMargins()
+        text = sum(label.heightForWidth(width) for label in (self.title, self.legend) if label.text())
+        height = text + self.plot.minimumHeight() + 2 * self.layout().spacing() + margins.top() + margins.bottom()
+        if height != self.minimumHeight():
+            self.setMinimumHeight(height)

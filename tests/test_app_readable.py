@@ -21,7 +21,7 @@ from test_app_support import greedy, run_turn, send
 from app.chat_view import SAMPLE_TEXT
 from app.dialogs import SamplingDialog, SystemPromptDialog, about_html
 from app.metrics_panel import MetricsPanel
-from app.plots import TokenAxis, log_headroom
+from app.plots import MIN_PLOT_HEIGHT, TokenAxis, log_headroom
 from app.style import PLOT_BACKGROUND, PLOT_FOREGROUND, STRATEGY_COLORS, apply_theme
 from engine.config import SamplingParams
 
@@ -425,6 +425,10 @@ def test_at_900_by_600_nothing_is_clipped(qtbot, small_window, tmp_path):
     assert small_window.chat.scroll.horizontalScrollBar().maximum() == 0  # messages wrap, never run off the side
     shown = small_window.status_fit.shown
     assert all(label.width() >= label.sizeHint().width() for label in shown)
+    for box in (small_window.metrics.latency_box, small_window.metrics.memory_box):  # axes not cut off
+        assert box.plot.height() >= MIN_PLOT_HEIGHT
+    box = small_window.chat.input  # the hint fits on its one line
+    assert box.fontMetrics().horizontalAdvance(box.placeholderText()) <= box.viewport().width()
 
 
 def test_a_status_message_is_whole_and_names_no_block_size_for_contiguous(qtbot, small_window):
