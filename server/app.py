@@ -33,6 +33,21 @@ def error(status: int, message: str, kind: str = "invalid_request_error", param:
     return JSONResponse(protocol.error_body(message, kind, param, code), status_code=status)
 
 
+class CancellingStream(StreamingResponse):
+    """A stream that cancels its request however the response ends, even when the client is gone before the
+    first byte (then the body generator never starts, and its own `finally` never runs)."""
+
+    def __init__(self, content, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
 class ChatService:
     """One chat-completion request at a time per call; many calls run concurrently on the event loop."""
 
@@ -98,8 +113,9 @@ def create_app(scheduler: Scheduler, model: str, api_key: str | None = None) -> 
         except (ProtocolError, ConfigError) as e:
             return error(400, str(e), param=getattr(e, "param", None), code=getattr(e, "code", None))
         if body.stream:
-            return StreamingResponse(_stream(service, body, rid, len(ids), queue), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return CancellingStream(_stream(service, body, rid, len(ids), queue), lambda: scheduler.cancel(rid),
+                                    media_type="text/event-stream",
+                                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await _complete(service, request, rid, len(ids), queue)
 
     return app
