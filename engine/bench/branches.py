@@ -31,7 +31,8 @@ METHOD = (
     "(prefix reuse on, reservations sized to prompt + reply, its most frugal setting) copies the parent's buffer "
     "into the branch's (a new conversation copies the first conversation's) and cuts it to the common prefix; "
     "'paged' (block 16) finds the prefix's full blocks in the prefix cache and shares them. TTFT of contiguous "
-    "includes its copy. Memory = bytes holding live tokens with every branch alive (KVStats.bytes_used)."
+    "includes its copy. Memory = bytes holding live tokens with every branch alive (KVStats.bytes_used); "
+    "reserved = what the cache allocated (contiguous: its reservations; paged: its pool)."
 )
 
 
@@ -150,6 +151,7 @@ def summarize(r: dict) -> str:
             ["live tokens", c["live_tokens"], p["live_tokens"], None],
             ["memory holding them (MiB)", c["bytes_used"] / 2**20, p["bytes_used"] / 2**20,
              ratios["bytes_used"]],
+            ["memory reserved (MiB)", c["bytes_allocated"] / 2**20, p["bytes_allocated"] / 2**20, None],
             ["tokens prefilled", c["prefill_tokens"], p["prefill_tokens"], ratios["prefill_tokens"]],
             ["tokens copied", c["copied_tokens"], p["copied_tokens"], None],
             ["blocks shared", c["shared_blocks"], p["shared_blocks"], None]]
@@ -171,6 +173,7 @@ def plot(r: dict, path) -> None:
         ys = [j + (i - (len(names) - 1) / 2) * height for j in range(len(KINDS))]
         ax2.barh(ys, [r[s]["ttft_ms"][k] for k in KINDS], height, label=s, color=report.color(s))
     ax2.set(title="time to first token (median)", xlabel="ms", xscale="log")
+    report.plain_log_ticks(ax2.xaxis)
     report.categories(ax2, list(KINDS))
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3, axis="x")

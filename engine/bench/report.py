@@ -11,7 +11,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
+from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter  # noqa: E402
 
 # One fixed colour per series name (a qualitative palette: tab10 first, then the darker and lighter tab20 shades),
 # so a series has the same colour in every plot and no two series of one plot share a colour.
@@ -82,6 +82,12 @@ def line(ax, name: str, xs, ys, **kwargs) -> None:
 def integer_ticks(axis) -> None:
     """Ticks only at whole numbers (turns, sequences): never 2.5."""
     axis.set_major_locator(MaxNLocator(integer=True))
+
+
+def plain_log_ticks(axis) -> None:
+    """Log-axis ticks as plain numbers (30, 100, 1000), without the crowded minor labels."""
+    axis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
 
 
 def legend_outside(ax, *others) -> None:
