@@ -151,3 +151,19 @@ def test_several_series_add_up_but_a_usage_fraction_is_averaged():
             'vllm:kv_cache_usage_perc{engine="0"} 0.2\nvllm:kv_cache_usage_perc{engine="1"} 0.4\n')
     kv = server_kv(text)
     assert kv.running == 5 and abs(kv.kv_usage - 0.3) < 1e-12
+
+
+def test_the_panel_rows_label_the_servers_figures_and_say_what_is_unavailable():
+    from app.backends.server_view import server_rows, status_text
+
+    vllm = dict((title, (value, detail)) for title, value, detail in server_rows(server_kv(VLLM), "m", "http://gpu"))
+    assert vllm["Server"] == ("vLLM server", "m at http://gpu")
+    assert vllm["Server KV-cache usage"][0] == "42.0%"
+    assert vllm["Server prefix cache"][0] == "75.0% of prompt tokens hit"
+    assert vllm["Server block pool"] == ("unavailable", "vLLM does not publish it")
+    assert vllm["Server KV memory"] == ("unavailable", "vLLM does not publish it")
+    ours = dict((title, value) for title, value, _ in server_rows(server_kv(KVSCOPE)))
+    assert ours["Server block pool"] == "256 of 512 blocks used" and ours["Server KV memory"] == "360.0 MiB"
+    assert "unavailable" in server_rows(None, "m", "http://x")[0][2]
+    assert status_text(server_kv(LLAMA_CPP_NEW)) == "server KV unavailable"
+    assert status_text(server_kv(LLAMA_CPP)) == "server KV 12%"
