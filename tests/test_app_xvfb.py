@@ -107,8 +107,9 @@ def test_qt_loads_its_xcb_plugin_on_the_x_server(x_display):
 
 
 @needs_xvfb
-def test_the_app_starts_replies_and_draws_on_a_real_x_server(x_display, tmp_path):
-    """`main.py gui --demo` with the default model: the whole app (theme, window, worker, plots) on xcb."""
+def test_the_app_starts_replies_and_draws_on_a_real_x_server(x_display, tmp_path, tiny_model_folder):
+    """`main.py gui --demo` on a model folder (the tiny random Llama, so that it takes seconds): the whole app
+    (theme, window, loader, worker thread, plots) on xcb."""
     config = tmp_path / "config"
     (config / "kvscope").mkdir(parents=True)
     (config / "kvscope" / "kvscope.conf").write_text(  # the user's settings stay untouched
@@ -116,9 +117,9 @@ def test_the_app_starts_replies_and_draws_on_a_real_x_server(x_display, tmp_path
     shot = tmp_path / "xvfb-window.png"
     env = dict(x_display, XDG_CONFIG_HOME=str(config))
 
-    result = subprocess.run([sys.executable, "main.py", "gui", "--demo", "What is a KV cache?",
-                             "--screenshot", str(shot)], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=600)
+    result = subprocess.run([sys.executable, "main.py", "gui", "--model", str(tiny_model_folder), "--demo",
+                             "What is a KV cache?", "--screenshot", str(shot)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=600)
 
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
     assert "screenshot saved" in result.stdout
