@@ -167,3 +167,15 @@ def test_the_panel_rows_label_the_servers_figures_and_say_what_is_unavailable():
     assert "unavailable" in server_rows(None, "m", "http://x")[0][2]
     assert status_text(server_kv(LLAMA_CPP_NEW)) == "server KV unavailable"
     assert status_text(server_kv(LLAMA_CPP)) == "server KV 12%"
+
+
+def test_a_url_that_is_not_a_server_url_is_a_clear_error():
+    import pytest
+
+    from app.backends import http
+
+    with http.make_client() as client:
+        for url in ("localhost:8000", "foo", "http://"):
+            with pytest.raises(http.RemoteError, match="is not a server URL"):
+                http.list_models(client, url, None)
+    assert http.base_url(" http://h:8000/v1/ ") == "http://h:8000"

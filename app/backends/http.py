@@ -17,6 +17,7 @@ from app.backends.metrics_parser import ServerKV, server_kv
 
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 120.0  # between two chunks of a stream (a long prompt's prefill comes before the first)
+NETWORK_ERRORS = (httpx.HTTPError, httpx.InvalidURL)  # InvalidURL: a URL httpx cannot even parse
 
 
 class RemoteError(RuntimeError):
@@ -64,6 +65,8 @@ def _fail(url: str, e: Exception) -> RemoteError:
         return RemoteError(f"Cannot reach the server at {url}: {e}. Is it running, and is the URL right?")
     if isinstance(e, (httpx.RemoteProtocolError, httpx.ReadError)):
         return RemoteError(f"The server at {url} closed the connection in the middle of the reply ({e}).")
+    if isinstance(e, (httpx.InvalidURL, httpx.UnsupportedProtocol)):
+        return RemoteError(f"{url!r} is not a server URL: {str(e).rstrip('.')}. Write it like http://127.0.0.1:8000")
     if isinstance(e, httpx.TimeoutException):
         return RemoteError(f"The server at {url} stopped answering (timed out).")
     return RemoteError(f"Request to {url} failed: {e}")
@@ -81,7 +84,7 @@ def list_models(client: httpx.Client, url: str, api_key: str | None) -> list[Rem
     url = base_url(url)
     try:
         response = client.get(f"{url}/v1/models", headers=headers(api_key), timeout=CONNECT_TIMEOUT_S * 2)
-    except httpx.HTTPError as e:
+    except NETWORK_ERRORS as e:
         raise _fail(url, e) from None
     if response.status_code != 200:
         raise _status_error(response)
@@ -96,7 +99,7 @@ def fetch_server_kv(client: httpx.Client, url: str, api_key: str | None) -> Serv
     """The server's KV figures, or None when it publishes no /metrics (or cannot be reached right now)."""
     try:
         response = client.get(f"{base_url(url)}/metrics", headers=headers(api_key), timeout=CONNECT_TIMEOUT_S)
-    except httpx.HTTPError:
+    except NETWORK_ERRORS:
         return None
     return server_kv(response.text) if response.status_code == 200 else None
 
@@ -113,7 +116,7 @@ def stream_chat(client: httpx.Client, url: str, api_key: str | None, body: dict,
                 response.read()
                 raise _status_error(response)
             yield from _events(response, stopped)
-    except httpx.HTTPError as e:
+    except NETWORK_ERRORS as e:
         raise _fail(url, e) from None
 
 

@@ -113,6 +113,9 @@ class RemoteWorker(QObject):
         except (http.RemoteError, ValueError) as e:
             self.conv.restore(snapshot)
             self.signals.error.emit(str(e))
+        except Exception as e:  # noqa: BLE001 - a worker never takes the app down; the conversation is kept
+            self.conv.restore(snapshot)
+            self.signals.error.emit(f"The request to the server failed: {e}")
         self.signals.conversation.emit(self.conv.to_dict())
 
     def _body(self, params) -> dict:
