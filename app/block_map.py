@@ -1,18 +1,21 @@
 """The paged pool's physical blocks as a grid coloured by state, updated live from KVStats.block_states.
 
-The states are drawn as an 8-bit indexed image (one pixel per block) scaled up to square cells, so a pool of
-thousands of blocks costs one drawImage per paint; repaints are coalesced by Qt's update().
+The grid is laid out for the pool's budget (the most blocks it may grow to), so a cell keeps its place as the
+pool grows: the blocks that exist are drawn, coloured by state, and the budget is a dashed outline around the
+cells they may grow into. The states are drawn as an 8-bit indexed image (one pixel per block) scaled up to
+square cells, so a pool of thousands of blocks costs one drawImage per paint; repaints are coalesced by Qt's
+update().
 """
 
 from __future__ import annotations
 
 import math
 
-from PySide6.QtCore import QRect, Qt
-from PySide6.QtGui import QColor, QImage, QPainter
+from PySide6.QtCore import QPoint, QRect, Qt
+from PySide6.QtGui import QColor, QImage, QPainter, QPen, QPolygon
 from PySide6.QtWidgets import QGridLayout, QLabel, QStackedWidget, QVBoxLayout, QWidget
 
-from app.style import BLOCK_COLORS, BLOCK_LABELS, PLOT_BACKGROUND
+from app.style import BLOCK_COLORS, BLOCK_LABELS, PLOT_BACKGROUND, TEXT_MUTED
 
 PAD_INDEX = len(BLOCK_COLORS)  # colour of the cells past the last block
 NO_BLOCKS_TEXT = {
@@ -39,18 +42,21 @@ class BlockGrid(QWidget):
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
         self.states = b""
+        self.budget = 0  # cells laid out: the most blocks the pool may hold (at least the blocks it holds)
         self._colors = [QColor(c).rgb() for c in BLOCK_COLORS] + [QColor(PLOT_BACKGROUND).rgb()]
         self.setMinimumSize(120, 80)
         self.setMouseTracking(True)
 
-    def set_states(self, states: bytes) -> None:
+    def set_states(self, states: bytes, budget: int = 0) -> None:
+        """states: one byte per block that exists; budget: the most blocks the pool may grow to (0: no more)."""
         self.states = bytes(states)
+        self.budget = max(budget, len(self.states))
         self.update()
 
     def paintEvent(self, event) -> None:  # noqa: N802 (Qt override)
         painter = QPainter(self)
         painter.fillRect(self.rect(), QColor(PLOT_BACKGROUND))
-        cols, rows, cell = grid_shape(len(self.states), self.width(), self.height())
+        cols, rows, cell = grid_shape(self.budget, self.width(), self.height())
         if not cols:
             return
         data = self.states + bytes([PAD_INDEX]) * (cols * rows - len(self.states))
@@ -63,19 +69,39 @@ class BlockGrid(QWidget):
                 painter.drawLine(c * cell, 0, c * cell, rows * cell)
             for r in range(rows + 1):
                 painter.drawLine(0, r * cell, cols * cell, r * cell)
+        if self.budget > len(self.states):
+            self._outline_budget(painter, cols, rows, cell)
         painter.end()
 
+    def _outline_budget(self, painter: QPainter, cols: int, rows: int, cell: int) -> None:
+        """A dashed outline around the budget's cells: full rows, then the last row up to its last cell."""
+        painter.setPen(QPen(QColor(TEXT_MUTED), 1, Qt.PenStyle.DashLine))
+        painter.setBrush(Qt.BrushStyle.NoBrush)
+        width, height, last = cols * cell - 1, rows * cell - 1, self.budget - (rows - 1) * cols
+        if last == cols:
+            painter.drawRect(0, 0, width, height)
+            return
+        step = (rows - 1) * cell
+        painter.drawPolygon(QPolygon([QPoint(0, 0), QPoint(width, 0), QPoint(width, step), QPoint(last * cell, step),
+                                      QPoint(last * cell, height), QPoint(0, height)]))
+
     def block_at(self, x: int, y: int) -> int | None:
-        cols, rows, cell = grid_shape(len(self.states), self.width(), self.height())
+        """The cell under (x, y): a block that exists, or a place within the budget; None outside both."""
+        cols, rows, cell = grid_shape(self.budget, self.width(), self.height())
         if not cols or x >= cols * cell or y >= rows * cell:
             return None
         index = (y // cell) * cols + x // cell
-        return index if index < len(self.states) else None
+        return index if index < self.budget else None
 
     def mouseMoveEvent(self, event) -> None:  # noqa: N802
         pos = event.position().toPoint()
         index = self.block_at(pos.x(), pos.y())
-        self.setToolTip("" if index is None else f"block {index}: {BLOCK_LABELS[self.states[index]]}")
+        if index is None:
+            self.setToolTip("")
+        elif index < len(self.states):
+            self.setToolTip(f"block {index}: {BLOCK_LABELS[self.states[index]]}")
+        else:
+            self.setToolTip("not allocated yet: the pool may grow here, within its budget")
 
 
 class BlockMap(QWidget):
@@ -101,7 +127,8 @@ class BlockMap(QWidget):
         layout.addWidget(self.legend)
 
     def set_stats(self, kv) -> None:
-        if not kv.num_blocks or not kv.block_states:
+        budget = getattr(kv, "num_blocks_budget", 0)  # a growing pool: drawn even before its first block
+        if not budget and (not kv.num_blocks or not kv.block_states):
             why = NO_BLOCKS_TEXT.get(kv.strategy, "does not use a block pool.")
             self.message.setText(f"The '{kv.strategy}' strategy has no blocks: it {why}")
             self.summary.setText(f"nothing held: the {kv.tokens:,}-token context is recomputed every step"
@@ -109,11 +136,12 @@ class BlockMap(QWidget):
             self.stack.setCurrentWidget(self.message)
             self.legend.hide()
             return
+        of_budget = f" of {budget:,} (the budget, outlined)" if budget > kv.num_blocks else ""
         self.summary.setText(
-            f"{kv.strategy}: {kv.num_blocks:,} blocks × {kv.block_size} tokens · {kv.num_blocks_used:,} used · "
-            f"{kv.num_blocks_cached:,} cached · {kv.num_blocks_free:,} free"
+            f"{kv.strategy}: {kv.num_blocks:,} blocks{of_budget} × {kv.block_size} tokens · {kv.num_blocks_used:,} "
+            f"used · {kv.num_blocks_cached:,} cached · {kv.num_blocks_free:,} free"
         )
-        self.grid.set_states(kv.block_states)
+        self.grid.set_states(kv.block_states, budget)
         self.stack.setCurrentWidget(self.grid)
         self.legend.show()
 

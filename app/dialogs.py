@@ -85,6 +85,28 @@ class DraftTokensDialog(QDialog):
         return self.spin.value()
 
 
+class KVBudgetDialog(QDialog):
+    """The most a paged KV pool grows to, in MiB (0: one context's worth, the default)."""
+
+    def __init__(self, value: float | None, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setWindowTitle("KV budget")
+        form = QFormLayout(self)
+        form.addRow(QLabel("The paged pool starts small and grows with the conversation, up to this budget;\n"
+                           "past it, cached blocks are evicted, then a turn fails with 'cache full'.", self))
+        self.spin = _double(0.0, 1 << 20, 16.0, value or 0.0, decimals=1)
+        self.spin.setSpecialValueText("one context (default)")
+        self.spin.setSuffix(" MiB")
+        form.addRow("KV budget", self.spin)
+        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel)
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        form.addRow(buttons)
+
+    def value(self) -> float | None:
+        return self.spin.value() or None
+
+
 class SystemPromptDialog(QDialog):
     def __init__(self, prompt: str, parent: QWidget | None = None):
         super().__init__(parent)

@@ -79,6 +79,12 @@ def _memory_now(kv) -> tuple[str, str, str]:
                 f"(a cache would hold {human_bytes(kv.bytes_theoretical)})")
     detail = (f"{kv.tokens:,} tokens held; theoretical {human_bytes(kv.bytes_theoretical)}, "
               f"used {human_bytes(kv.bytes_used)}")
+    if kv.bytes_budget:  # a pool that grows: what it holds, what its blocks in use hold, and how far it may grow
+        value = (f"{human_bytes(kv.bytes_allocated)} allocated / {human_bytes(kv.bytes_used)} used / "
+                 f"{human_bytes(kv.bytes_budget)} budget")
+        detail += (f"; the pool grows in chunks up to its budget ({kv.num_blocks:,} of {kv.num_blocks_budget:,} "
+                   f"blocks exist)")
+        return ("KV memory now", value, detail)
     return ("KV memory now", human_bytes(kv.bytes_allocated), detail)
 
 

@@ -40,10 +40,12 @@ MIN_SIZE = (740, 480)  # the chat's and the side panel's minimum widths side by 
 
 class MainWindow(QMainWindow):
     def __init__(self, settings: AppSettings | None = None, engine=None, model: str | None = None,
-                 cache: str | None = None, block_size: int | None = None, prefix_reuse: bool | None = None):
+                 cache: str | None = None, block_size: int | None = None, prefix_reuse: bool | None = None,
+                 kv_budget: float | None = None):
         super().__init__()
         self.settings = settings or AppSettings()
         self.prefix_reuse = self.settings.prefix_reuse if prefix_reuse is None else prefix_reuse
+        self.kv_budget = self.settings.kv_budget_mib if kv_budget is None else kv_budget  # MiB; None: one context
         self.info = None
         self.generating = False
         self.loading = False
@@ -133,6 +135,7 @@ class MainWindow(QMainWindow):
         s.stats.connect(self._on_stats)
         s.conversation.connect(self._on_conversation)
         self.client.set_prefix_reuse(self.prefix_reuse)  # before the model loads: its cache starts that way
+        self.client.set_kv_budget(self.kv_budget)
 
     # --- chat actions ---------------------------------------------------------------------------------------------
     def send(self, text: str) -> None:
@@ -201,6 +204,12 @@ class MainWindow(QMainWindow):
         when = "from the next turn" if self.generating else "now"
         blocks = f", block size {block_size}" if strategy.startswith("paged") else ""  # only blocks have a size
         self.status.showMessage(f"Cache: {strategy}{blocks} (applies {when})", 5000)
+
+    def set_kv_budget(self, mib: float | None) -> None:
+        self.kv_budget = self.settings.kv_budget_mib = mib
+        self.client.set_kv_budget(mib)
+        what = f"{mib:g} MiB" if mib else "one context's worth"
+        self.status.showMessage(f"KV budget: {what} (a new pool; the next turn prefills the history)", 5000)
 
     def set_prefix_reuse(self, on: bool) -> None:
         self.prefix_reuse = self.settings.prefix_reuse = on
@@ -322,7 +331,8 @@ def run_gui(args) -> int:
     app.setWindowIcon(QIcon(str(RESOURCES / "icon.svg")))
     window = MainWindow(model=getattr(args, "model", None), cache=getattr(args, "cache", None),
                         block_size=getattr(args, "block_size", None),
-                        prefix_reuse={"on": True, "off": False}.get(getattr(args, "prefix_reuse", None)))
+                        prefix_reuse={"on": True, "off": False}.get(getattr(args, "prefix_reuse", None)),
+                        kv_budget=getattr(args, "kv_budget", None))
     window.show()
     prompts = getattr(args, "demo", None)
     if prompts:

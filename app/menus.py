@@ -5,7 +5,7 @@ from __future__ import annotations
 from PySide6.QtGui import QAction, QActionGroup, QKeySequence
 from PySide6.QtWidgets import QMainWindow, QMenu
 
-from app.dialogs import DraftTokensDialog
+from app.dialogs import DraftTokensDialog, KVBudgetDialog
 from app.settings import MENU_BLOCK_SIZES
 from engine.config import CACHE_STRATEGIES
 
@@ -74,6 +74,8 @@ class Menus:
             self.block_size_group.addAction(action)
             self.block_sizes[size] = action
         self.prefix_reuse = self._action(menu, "&Keep the cache between turns", checkable=True, tip=PREFIX_REUSE_TIP)
+        self.kv_budget = self._action(menu, "KV b&udget…", tip="the most the paged pool grows to, in MiB")
+        self.kv_budget.triggered.connect(self._ask_kv_budget)
         menu.addSeparator()
         self.sampling = self._action(menu, "Sa&mpling…")
         self._speculative(menu.addMenu("Speculative &decoding"))
@@ -111,6 +113,11 @@ class Menus:
         if dialog.exec():
             settings.max_draft_tokens = dialog.value()
 
+    def _ask_kv_budget(self) -> None:
+        dialog = KVBudgetDialog(self.window.settings.kv_budget_mib, self.window)
+        if dialog.exec():
+            self.window.set_kv_budget(dialog.value())
+
     def _view(self, menu: QMenu) -> None:
         self.show_side_panel = self._action(menu, "Show side &panel", "Ctrl+B", checkable=True)
         self.clear_plots = self._action(menu, "&Clear plots")
@@ -131,6 +138,7 @@ class Menus:
 
     def set_remote(self, remote: bool) -> None:
         """A server has its own cache and model: the local-only menus are disabled and their tooltip says why."""
+        self.kv_budget.setEnabled(not remote)  # the server sizes its own pool
         for submenu in self.local_only:
             submenu.setEnabled(not remote)
             submenu.menuAction().setToolTip(REMOTE_TIP if remote else submenu.title().replace("&", ""))

@@ -57,6 +57,16 @@ class AppSettings:
         self.q.setValue("engine/prefix_reuse", bool(value))
 
     @property
+    def kv_budget_mib(self) -> float | None:
+        """The most a paged KV pool grows to, in MiB; None (stored as 0): one context's worth."""
+        value = self._get("engine/kv_budget_mib", 0.0, float)
+        return value if value > 0 else None
+
+    @kv_budget_mib.setter
+    def kv_budget_mib(self, value: float | None) -> None:
+        self.q.setValue("engine/kv_budget_mib", float(value or 0.0))
+
+    @property
     def model_path(self) -> str | None:
         return self._get("engine/model", "", str) or None
 

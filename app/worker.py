@@ -36,6 +36,7 @@ class EngineWorker(QObject):
         self.conv = Conversation(system_prompt=system_prompt)
         self._cache, self._block_size = cache, block_size
         self._prefix_reuse = True  # keep the conversation's cache between turns (Settings)
+        self._kv_budget: float | None = None  # MiB the paged pool may grow to (Settings; None: one context)
         self._cancel_upto = 0  # generation requests with an id <= this are cancelled
         self._closing = False
 
@@ -62,7 +63,8 @@ class EngineWorker(QObject):
         from engine.engine import Engine  # imported here: loading torch happens off the GUI thread
 
         try:
-            config = EngineConfig(cache=self._cache, block_size=self._block_size, prefix_reuse=self._prefix_reuse)
+            config = EngineConfig(cache=self._cache, block_size=self._block_size, prefix_reuse=self._prefix_reuse,
+                                  kv_budget_mib=self._kv_budget)
             engine = Engine.load(model, config, progress=self._progress)
         except Exception as e:  # noqa: BLE001 - every failure is reported; the old model stays loaded
             self.signals.error.emit(f"Could not load the model {model or '(default)'}: {e}")
@@ -76,6 +78,11 @@ class EngineWorker(QObject):
         self.engine = engine
         self._cache, self._block_size = engine.cache_strategy, engine.block_size
         engine.set_prefix_reuse(self._prefix_reuse)  # the window's setting decides, whoever built the engine
+        if engine.config.kv_budget_mib != self._kv_budget:
+            try:
+                engine.set_kv_budget(self._kv_budget)
+            except ValueError as e:  # too small for one block: the engine keeps its own budget
+                self.signals.error.emit(f"Could not set the KV budget to {self._kv_budget} MiB: {e}")
         self.signals.loaded.emit(ModelInfo.from_engine(engine))
         self._emit_state()
 
@@ -118,6 +125,20 @@ class EngineWorker(QObject):
         if self.engine is not None and not self._closing:
             self.engine.set_prefix_reuse(on)
             self.signals.loaded.emit(ModelInfo.from_engine(self.engine))
+
+    @Slot(object)
+    def set_kv_budget(self, mib: float | None) -> None:
+        """A new cache with this budget (None: one context's worth); the next turn prefills the history."""
+        self._kv_budget = mib
+        if self.engine is None or self._closing or self.engine.config.kv_budget_mib == mib:
+            return
+        try:
+            self.engine.set_kv_budget(mib)
+        except ValueError as e:
+            self.signals.error.emit(f"Could not set the KV budget to {mib} MiB: {e}")
+            return
+        self.signals.loaded.emit(ModelInfo.from_engine(self.engine))
+        self._emit_state()
 
     @Slot(object)
     def new_conversation(self, system_prompt: str | None) -> None:

@@ -98,6 +98,9 @@ class RemoteClient(QObject):
     def set_prefix_reuse(self, _on: bool) -> None:
         """The server decides what it keeps between requests: nothing to send."""
 
+    def set_kv_budget(self, _mib: float | None) -> None:
+        """The server sizes its own pool: nothing to send."""
+
     def new_conversation(self, system_prompt: str | None) -> None:
         self._new_conversation.emit(system_prompt)
 

@@ -72,6 +72,8 @@ def run_bench(args) -> int:
         return 1
     if getattr(args, "prefix_reuse", None) == "off":  # the engine's own cache; turns and branches set both
         ctx.engine.set_prefix_reuse(False)
+    if getattr(args, "kv_budget", None) is not None:  # the engine's own pool; benchmarks that build theirs size them
+        ctx.engine.set_kv_budget(args.kv_budget)
     results = {"machine": machine_info(ctx.engine), "quick": ctx.quick, "tiny": ctx.tiny, "benchmarks_run": names,
                "benchmarks": {}, "seconds": {}, "targets": []}
     started = time.perf_counter()
