@@ -13,6 +13,13 @@ def add_model_options(p: argparse.ArgumentParser, default_cache: str | None = "p
     p.add_argument("--cache", choices=CACHE_STRATEGIES, default=default_cache, help="KV-cache strategy")
     p.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=None, help="paged block size (tokens)")
     add_prefix_reuse_option(p)
+    add_kv_budget_option(p)
+
+
+def add_kv_budget_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-budget", type=float, metavar="MiB", default=None,
+                   help="the most a paged KV pool grows to, in MiB (default: one context's worth); the pool starts "
+                        "small and grows with the conversation")
 
 
 def add_prefix_reuse_option(p: argparse.ArgumentParser) -> None:
@@ -56,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a smoke run: a tiny random model, --quick sizes (every code path; numbers mean nothing)")
     bench.add_argument("--model", help="a .gguf file or a Hugging Face model folder")
     add_prefix_reuse_option(bench)
+    add_kv_budget_option(bench)
 
     add_serve_parser(sub)
     return parser
