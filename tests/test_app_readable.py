@@ -14,12 +14,22 @@ import numpy as np
 import pytest
 from PySide6.QtCore import QPoint, QPointF, QRect, Qt
 from PySide6.QtGui import QColor, QImage
-from PySide6.QtWidgets import QApplication, QDialogButtonBox, QFileDialog, QLabel, QMessageBox, QTreeView
+from PySide6.QtWidgets import (
+    QApplication,
+    QDialogButtonBox,
+    QFileDialog,
+    QLabel,
+    QMessageBox,
+    QStyle,
+    QStyleOptionButton,
+    QTreeView,
+)
 from test_app_metrics import SMOL, step, turn
 from test_app_support import greedy, run_turn, send
 
+from app.backends.dialog import BackendChoice, BackendDialog
 from app.chat_view import SAMPLE_TEXT
-from app.dialogs import SamplingDialog, SystemPromptDialog, about_html
+from app.dialogs import DraftTokensDialog, KVBudgetDialog, SamplingDialog, SystemPromptDialog, about_html
 from app.metrics_panel import MetricsPanel
 from app.plots import MIN_PLOT_HEIGHT, TokenAxis, log_headroom
 from app.style import PLOT_BACKGROUND, PLOT_FOREGROUND, STRATEGY_COLORS, apply_theme
@@ -52,13 +62,20 @@ def pixels(image: QImage) -> np.ndarray:
     return bgra[..., 2::-1]
 
 
-def background_and_ink(image: QImage) -> tuple[QColor, QColor]:
-    """The most common colour (the background) and the colour of at least 8 pixels that stands out most from it."""
+def background_and_ink(image: QImage, min_pixels: int = 8) -> tuple[QColor, QColor]:
+    """The most common colour (the background), and the ink: the colour by which at least min_pixels pixels stand
+    out from it (the min_pixels-th most contrasting pixel's colour, so antialiased strokes count whole)."""
     rgb = pixels(image).reshape(-1, 3)
     colors, counts = np.unique(rgb, axis=0, return_counts=True)
     background = QColor(*map(int, colors[counts.argmax()]))
-    frequent = [QColor(*map(int, c)) for c, n in zip(colors, counts) if n >= 8]
-    return background, max(frequent, key=lambda c: contrast(c, background))
+    ranked = sorted(((contrast(QColor(*map(int, c)), background), QColor(*map(int, c)), n)
+                     for c, n in zip(colors, counts)), key=lambda entry: entry[0], reverse=True)
+    seen = 0
+    for _, color, n in ranked:
+        seen += n
+        if seen >= min_pixels:
+            return background, color
+    return background, background
 
 
 def rect_in(widget, ancestor) -> QRect:
@@ -388,6 +405,8 @@ def test_the_sampling_dialog_has_visible_spin_arrows_and_no_foreign_button_icons
 
 
 @pytest.mark.parametrize("make", [lambda: SamplingDialog(SamplingParams()), lambda: SystemPromptDialog("Be brief."),
+                                  lambda: DraftTokensDialog(4), lambda: KVBudgetDialog(None),
+                                  lambda: BackendDialog(BackendChoice("local")),
                                   lambda: QMessageBox(QMessageBox.Icon.NoIcon, "About kvscope", about_html(SMOL))])
 def test_every_dialog_is_dark_with_readable_text(qtbot, themed, make):
     dialog = make()
@@ -397,6 +416,22 @@ def test_every_dialog_is_dark_with_readable_text(qtbot, themed, make):
 
     ground, ink = background_and_ink(dialog.grab().toImage())
     assert luminance(ground) < 0.1 and contrast(ink, ground) >= 7
+
+
+def test_radio_buttons_show_their_circle_on_the_dark_background(qtbot, themed):
+    dialog = BackendDialog(BackendChoice("local"))
+    qtbot.addWidget(dialog)
+    dialog.show()
+    settle(qtbot)
+
+    ground, _ = background_and_ink(dialog.grab().toImage())  # the dialog's own background
+    for button in (dialog.local, dialog.remote):  # one checked, one not: both circles stand out from it
+        option = QStyleOptionButton()
+        button.initStyleOption(option)
+        indicator = button.style().subElementRect(QStyle.SubElement.SE_RadioButtonIndicator, option, button)
+        ring = pixels(button.grab().copy(indicator).toImage()).reshape(-1, 3)
+        standing_out = [c for c in ring if contrast(QColor(*map(int, c)), ground) >= 3.0]
+        assert len(standing_out) >= 12  # a ring of pixels, not a speck
 
 
 # --- item 12: 900×600 works; nothing clipped; readable lines without the side panel ----------------------------------
