@@ -349,3 +349,38 @@ def test_adaptive_lookup_keeps_the_output_and_measures_plain_steps_first(tiny_en
     assert ids == plain
     decode = [e for e in events if getattr(e, "phase", "") == "decode"]
     assert decode[0].n_drafted == decode[1].n_drafted == 0  # the first steps measure plain decoding
+
+
+# ---- the real default model ----------------------------------------------------------------------------------
+
+PASSAGE = ("The kettle whistled in the small kitchen while the rain kept falling on the roof. Anna poured the water "
+           "over the tea leaves, waited three minutes, and carried two cups to the table by the window, where her "
+           "brother was still reading the letter that had arrived that morning from their aunt in Lisbon.")
+REAL_PROMPTS = {"hits": f"Repeat the following text exactly, word for word:\n\n{PASSAGE}",
+                "misses": "Write a short poem about the sea."}
+
+
+@pytest.mark.default_model
+@pytest.mark.parametrize("kind", list(REAL_PROMPTS))
+def test_greedy_speculation_on_the_real_model_is_token_identical_for_256_tokens_in_every_strategy(default_engine,
+                                                                                                  kind):
+    """Plain greedy runs once per precision (paged for float, paged-int8 for int8: 'none' and 'contiguous' are
+    token-identical to paged, tests/test_generation.py); speculation runs in every strategy and must match.
+    'none' recomputes the whole context per forward, so it runs on the prompt whose drafts hit (few forwards)."""
+    prompt, n = REAL_PROMPTS[kind], 256
+    spec = with_speculation(greedy(n), LOOKUP)
+    baseline = {}
+    for strategy in ("paged", "paged-int8"):
+        default_engine.set_cache(strategy, 16)
+        baseline[strategy], _ = reply_ids(default_engine, prompt, greedy(n))
+    for strategy in STRATEGIES if kind == "hits" else ["contiguous", "paged", "paged-int8"]:
+        default_engine.set_cache(strategy, 16)
+        ids, events = reply_ids(default_engine, prompt, spec)
+        assert ids == baseline["paged-int8" if strategy == "paged-int8" else "paged"], strategy
+        done = events[-1]
+        assert len(ids) == n and done.n_drafted > 0
+        if kind == "hits":
+            assert done.n_accepted > n // 4, f"{strategy}: the passage is repeated, so drafts must hit"
+        else:
+            assert done.n_accepted < done.n_drafted, f"{strategy}: some drafts must be rejected"
+    default_engine.set_cache("paged", 16)

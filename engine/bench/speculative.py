@@ -14,7 +14,18 @@ import shlex
 import textwrap
 
 from engine.bench import report
-from engine.bench.common import BenchContext, bar, make_cache, ratio, status, using_cache
+from engine.bench.common import (
+    BenchContext,
+    bar,
+    make_cache,
+    median,
+    prefill,
+    random_ids,
+    ratio,
+    status,
+    timed_ms,
+    using_cache,
+)
 from engine.config import SamplingParams, SpeculativeConfig
 from engine.events import DoneEvent
 
@@ -29,6 +40,7 @@ FREE_CHAT = (
     "Why is the sky blue?",
 )
 PLAIN_COLOR, SPEC_COLOR = "#7f7f7f", "#1f77b4"
+FORWARD_WIDTHS, FORWARD_CONTEXT, FORWARD_REPEATS = (1, 3, 5, 9), 256, 7
 TARGETS = {"input-grounded": 1.6, "free chat": 0.95}  # paged: speculative / plain decode tokens/s
 
 METHOD = (
@@ -53,7 +65,7 @@ def run(ctx: BenchContext, quick: bool) -> dict:
         tokens = NONE_REPLY_TOKENS if strategy == "none" else reply_tokens
         grounded = [row for row in compare(ctx, strategy, candidates, tokens) if row["overlap"] >= MIN_OVERLAP]
         results[strategy] = {"input-grounded": summarise(grounded), "free chat": summarise(
-            compare(ctx, strategy, free, tokens))}
+            compare(ctx, strategy, free, tokens)), "forward_ms": forward_cost(ctx, strategy)}
     return {"method": METHOD.replace("REPLY", str(reply_tokens)), "strategies": list(strategies),
             "reply_tokens": reply_tokens, "min_overlap": MIN_OVERLAP, "candidates": len(candidates),
             "results": results, "targets": TARGETS}
@@ -116,6 +128,27 @@ def compare(ctx: BenchContext, strategy: str, prompts: list[str], max_new_tokens
     return rows
 
 
+def forward_cost(ctx: BenchContext, strategy: str) -> dict[int, float]:
+    """Median ms of one forward of 1, 3, 5, 9 tokens at context FORWARD_CONTEXT (rolled back after each): what a
+    verify step of k drafts costs against a plain step. Widths are interleaved so load drifts hit all alike."""
+    e = ctx.engine
+    ids = random_ids(FORWARD_CONTEXT + max(FORWARD_WIDTHS), e.model_config.vocab_size)
+    samples: dict[int, list[float]] = {w: [] for w in FORWARD_WIDTHS}
+    with using_cache(e, make_cache(e, strategy, pool_tokens=1024)) as cache:
+        if not cache.keeps_kv:
+            return {}
+        cache.prepare(0, ids)
+        prefill(e, 0, ids[:FORWARD_CONTEXT])
+        for _ in range(FORWARD_REPEATS):
+            for w in FORWARD_WIDTHS:
+                tokens = ids[FORWARD_CONTEXT:FORWARD_CONTEXT + w]
+                _, ms = timed_ms(lambda t=tokens: e.step([0], [t], all_logits=True), e.synchronize)
+                cache.truncate(0, FORWARD_CONTEXT)
+                samples[w].append(ms)
+        cache.release(0)
+    return {w: median(v) for w, v in samples.items()}
+
+
 def summarise(rows: list[dict]) -> dict:
     tokens = sum(r["decode_tokens"] for r in rows)
     plain_s, spec_s = sum(r["plain_ms"] for r in rows) / 1000, sum(r["spec_ms"] for r in rows) / 1000
@@ -131,17 +164,27 @@ def summarise(rows: list[dict]) -> dict:
 def summarize(r: dict) -> str:
     rows = [[strategy, workload, len(s["prompts"]), s["decode_tokens"], s["plain_tok_s"], s["spec_tok_s"],
              s["speedup"], report.pct(s["acceptance"]), report.fmt(s["same_output"])]
-            for strategy, by_workload in r["results"].items() for workload, s in by_workload.items()]
+            for strategy, by_workload in r["results"].items() for workload, s in _workloads(by_workload)]
     table = report.md_table(["strategy", "workload", "prompts", "decode tokens", "plain (tok/s)",
                              "speculative (tok/s)", "speed-up", "drafts accepted", "same output"], rows)
     per_prompt = [[strategy, workload, p["prompt"].split("\n")[0][:48], report.pct(p["overlap"]), p["speedup"],
                    report.pct(p["acceptance"]), p["tokens_per_forward"]]
-                  for strategy, by_workload in r["results"].items() for workload, s in by_workload.items()
+                  for strategy, by_workload in r["results"].items() for workload, s in _workloads(by_workload)
                   for p in s["prompts"]]
     prompts = report.md_table(["strategy", "workload", "prompt", "4-gram overlap", "speed-up", "accepted",
                                "tokens / forward"], per_prompt)
+    cost = [[strategy, *[f.get(str(w), f.get(w)) for w in FORWARD_WIDTHS],
+             ratio(f.get(str(9), f.get(9)), f.get(str(1), f.get(1)))]
+            for strategy, by in r["results"].items() if (f := by.get("forward_ms"))]
+    costs = report.md_table(["strategy", *[f"{w} token{'s' * (w > 1)} (ms)" for w in FORWARD_WIDTHS],
+                             "9 / 1"], cost) if cost else ""
     return report.section("speculative: prompt-lookup speculative decoding", r["method"], table, prompts,
-                          targets_line(r))
+                          f"One forward of w tokens at context {FORWARD_CONTEXT} (median of {FORWARD_REPEATS}): "
+                          "a verify step of k drafts costs the (k+1)-token forward.", costs, targets_line(r))
+
+
+def _workloads(by_workload: dict) -> list[tuple[str, dict]]:
+    return [(w, s) for w, s in by_workload.items() if w != "forward_ms"]
 
 
 def targets_line(r: dict) -> str:
@@ -159,7 +202,8 @@ def plot(r: dict, path) -> None:
     fig, (bars, scatter) = report.figure(2, width=6.0)
     labels, width = [], 0.38
     for i, (strategy, by_workload) in enumerate(r["results"].items()):
-        for j, (workload, s) in enumerate(by_workload.items()):
+        workloads = [(w, s) for w, s in by_workload.items() if w != "forward_ms"]
+        for j, (workload, s) in enumerate(workloads):
             x = 2 * i + j
             labels.append(f"{strategy}, {workload}")
             bars.bar(x - width / 2, s["plain_tok_s"] or 0, width, color=PLAIN_COLOR, label="plain" if x == 0 else "_")
@@ -169,7 +213,7 @@ def plot(r: dict, path) -> None:
     bars.set(title="decode tokens/s", ylabel="tokens/s")
     bars.legend(fontsize=8)
     for strategy, by_workload in r["results"].items():
-        points = [p for s in by_workload.values() for p in s["prompts"] if p["speedup"]]
+        points = [p for w, s in by_workload.items() if w != "forward_ms" for p in s["prompts"] if p["speedup"]]
         scatter.plot([p["overlap"] for p in points], [p["speedup"] for p in points], "o", label=strategy,
                      color=report.color(strategy))
     scatter.axhline(1.0, color="#888888", lw=0.8)
