@@ -20,7 +20,7 @@ MIN_PLOT_HEIGHT = 150
 LEFT_AXIS_WIDTH = 58  # the same on every plot, so that linked x axes line up pixel for pixel
 MAX_LABELLED_SPAN = 2.5  # decades: up to this span a log axis labels 1, 2 and 5 of every decade, beyond it decades
 HEADROOM = 1.08  # the highest point stays at least this factor below the top of a log axis
-STEPS_125 = (1.0, 2.0, 5.0, 10.0)
+STEPS_125 = (1.0, 2.0, 5.0)
 GLYPHS = {Qt.PenStyle.SolidLine: "━━", Qt.PenStyle.DashLine: "╸ ╸", Qt.PenStyle.DotLine: "┄┄"}
 
 
@@ -42,7 +42,7 @@ def _tick_below(value: float, steps: tuple[float, ...]) -> float:
 def log_headroom(low: float, high: float) -> tuple[float, float]:
     """A y range (data units) for positive data in [low, high] whose both ends are labelled ticks of a LogAxis,
     with the data at least HEADROOM inside them: the highest line never sits on the top border."""
-    top, bottom = _tick_above(high * HEADROOM, STEPS_125[:3]), _tick_below(low / HEADROOM, STEPS_125[:3])
+    top, bottom = _tick_above(high * HEADROOM, STEPS_125), _tick_below(low / HEADROOM, STEPS_125)
     if math.log10(top / bottom) > MAX_LABELLED_SPAN / 1.1:  # decades only, with room for the view's padding
         top, bottom = _tick_above(high * HEADROOM, (1.0,)), _tick_below(low / HEADROOM, (1.0,))
     return bottom, top
