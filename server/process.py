@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,22 +35,35 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 180.0) -> ServerProcess:
-        out = open(self.log, "wb") if self.log else subprocess.DEVNULL  # noqa: SIM115 - closed in stop()
+        self._own_log = self.log is None
+        if self._own_log:  # keep the output somewhere, to quote it if the server does not come up
+            fd, name = tempfile.mkstemp(prefix="kvscope-serve-", suffix=".log")
+            os.close(fd)
+            self.log = Path(name)
+        out = open(self.log, "wb")  # noqa: SIM115 - closed in stop()
         self._out = out
         self.proc = subprocess.Popen([sys.executable, str(ROOT / "main.py"), "serve", *self.args], cwd=ROOT,
                                      env=self.env, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with status {self.proc.returncode} before it was ready")
+                tail = self.output_tail()
+                self.stop()
+                raise RuntimeError(f"the server exited with status {self.proc.returncode} before it was ready:\n"
+                                   f"{tail}")
             try:
                 if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
                     return self
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
+        tail = self.output_tail()
         self.stop()
-        raise TimeoutError(f"the server was not ready within {timeout:.0f} s")
+        raise TimeoutError(f"the server was not ready within {timeout:.0f} s:\n{tail}")
+
+    def output_tail(self, chars: int = 3000) -> str:
+        self._out.flush()
+        return self.log.read_bytes()[-chars:].decode(errors="replace")
 
     def kill(self) -> None:
         """Die at once, as a crashed server would (SIGKILL: no graceful shutdown)."""
@@ -64,8 +78,11 @@ class ServerProcess:
                 self.proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 self.kill()
-        if self.log and getattr(self, "_out", None):
+        if getattr(self, "_out", None):
             self._out.close()
+            if self._own_log:
+                self.log.unlink(missing_ok=True)
+                self.log = None
 
     def headers(self) -> dict:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
