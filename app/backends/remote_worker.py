@@ -37,7 +37,7 @@ class RemoteWorker(QObject):
         self.signals = signals
         self.conv = Conversation(system_prompt=system_prompt)
         self.client = None  # made on the worker thread
-        self.latest_kv: ServerKV | None = None  # written by the poller's signal on this thread
+        self.latest_kv: ServerKV | None = None  # set from the poller thread (a direct connection): read as is
         self._cancel_upto = 0
         self._context = 0  # tokens of the conversation after the last reply, as the server counted them
 
