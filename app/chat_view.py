@@ -23,6 +23,8 @@ from PySide6.QtWidgets import (
 from app.message_widget import MessageWidget
 
 MAX_INPUT_LINES = 8
+SEND_HINTS = ("Send a message  (Enter to send, Shift+Enter for a new line)", "Send a message  (Shift+Enter: new line)",
+              "Send a message")
 READABLE_CHARS = 100  # the longest line of a message, in average characters of the message font
 FOLLOW_SLACK = 24  # pixels from the bottom that still count as "at the latest message"
 SAMPLE_TEXT = "The quick brown fox jumps over the lazy dog, then reads a KV cache: 0123456789. "
@@ -41,8 +43,8 @@ class ChatInput(QPlainTextEdit):
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
         self.setObjectName("chatInput")
-        self.setPlaceholderText("Send a message  (Enter to send, Shift+Enter for a new line)")
         self.setTabChangesFocus(True)
+        self.set_hint(*SEND_HINTS)
         self.document().contentsChanged.connect(self._fit_height)
         self._fit_height()
 
@@ -52,6 +54,22 @@ class ChatInput(QPlainTextEdit):
             self.submitted.emit()
             return
         super().keyPressEvent(event)
+
+    def set_hint(self, *hints: str) -> None:
+        """The placeholder: the first of these that fits the box on one line (the last one elided if none does)."""
+        self._hints = hints
+        self._fit_hint()
+
+    def resizeEvent(self, event) -> None:  # noqa: N802 (Qt override)
+        super().resizeEvent(event)
+        self._fit_hint()
+
+    def _fit_hint(self) -> None:
+        metrics, width = self.fontMetrics(), self.viewport().width() - 2 * int(self.document().documentMargin()) - 4
+        fitting = [hint for hint in self._hints if metrics.horizontalAdvance(hint) <= width]
+        text = fitting[0] if fitting else metrics.elidedText(self._hints[-1], Qt.TextElideMode.ElideRight, width)
+        if text != self.placeholderText():
+            self.setPlaceholderText(text)
 
     def _fit_height(self) -> None:
         line = self.fontMetrics().lineSpacing()
@@ -142,7 +160,7 @@ class ChatView(QWidget):
     def set_input_enabled(self, enabled: bool, reason: str = "") -> None:
         self.input.setEnabled(enabled)
         self.send_button.setEnabled(enabled or self._generating)
-        self.input.setPlaceholderText(reason or "Send a message  (Enter to send, Shift+Enter for a new line)")
+        self.input.set_hint(*((reason,) if reason else SEND_HINTS))
 
     def show_error(self, message: str) -> None:
         self._error_label.setText(message)
