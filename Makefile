@@ -22,7 +22,7 @@ run: setup
 	$(VENV)/bin/python main.py
 
 test: setup
-	QT_QPA_PLATFORM=offscreen $(VENV)/bin/python -m pytest -q
+	QT_QPA_PLATFORM=offscreen $(VENV)/bin/python -m pytest -q --durations=10
 
 lint: setup
 	$(VENV)/bin/ruff check .
