@@ -162,29 +162,35 @@ def judge(sampler: Sampler, logits: torch.Tensor, history: list[int], draft: int
 class SpeculationPolicy:
     """How many tokens to draft, and whether to keep speculating in this reply.
 
-    k follows an exponential average r of the acceptance rate: with independent acceptances the expected run of
-    accepted drafts is r / (1 - r), so k = that + 1, between 1 and max_k. The first PLAIN_SAMPLES decode steps
-    (and one in every REMEASURE_EVERY) are plain, to know what a token costs without speculation; once the last
-    WINDOW verify steps together produced tokens slower than that, speculation stands down for the reply."""
+    k follows an exponential average r of the acceptance rate and what a draft token costs: a verify step of k
+    drafts produces (1 - r^(k+1)) / (1 - r) tokens when each draft is accepted with probability r, and costs
+    plain + k x extra ms (extra: measured per draft token, from verify steps against plain ones; the forward of
+    k + 1 tokens is not free once the extra tokens' compute shows), so k maximises tokens per ms, in 1..max_k.
+    The first PLAIN_SAMPLES decode steps (and one in every REMEASURE_EVERY) are plain, to know what a token costs
+    without speculation; once the last WINDOW verify steps together produced tokens slower than that,
+    speculation stands down for the reply."""
 
     max_k: int
     adaptive: bool = True
     rate: float = 0.75
     standing_down: bool = False
     PLAIN_SAMPLES = 2
+    PRIOR_DRAFT_COST = 0.15  # extra ms per draft token / plain step ms, until measured (float32 CPU: ~0.17)
     REMEASURE_EVERY = 32
     WINDOW = 8
     plain_ms: deque = field(default_factory=lambda: deque(maxlen=5))
     recent: deque = field(default_factory=lambda: deque(maxlen=SpeculationPolicy.WINDOW))  # (ms, produced)
     verify_steps: int = 0
     last_was_verify: bool = False
+    draft_cost: float | None = None  # measured extra ms per draft token / plain step ms (an average)
 
     @property
     def k(self) -> int:
         if not self.adaptive:
             return self.max_k
         r = min(self.rate, 0.95)
-        return max(1, min(self.max_k, round(r / (1 - r)) + 1))
+        cost = self.PRIOR_DRAFT_COST if self.draft_cost is None else self.draft_cost
+        return max(range(1, self.max_k + 1), key=lambda k: (1 - r ** (k + 1)) / (1 - r) / (1 + cost * k))
 
     def wants_plain_step(self) -> bool:
         if not self.adaptive:
@@ -201,6 +207,10 @@ class SpeculationPolicy:
         self.last_was_verify = True
         self.rate = 0.5 * self.rate + 0.5 * (n_accepted / n_drafted)
         self.recent.append((ms, n_accepted + 1))
+        if self.plain_ms:
+            plain = statistics.median(self.plain_ms)
+            cost = max(ms - plain, 0.0) / plain / n_drafted
+            self.draft_cost = cost if self.draft_cost is None else 0.8 * self.draft_cost + 0.2 * cost
         if self.adaptive and not self.pays():
             self.standing_down = True
 

@@ -279,7 +279,7 @@ def test_speculative_sampling_on_the_tiny_model_has_the_plain_next_token_distrib
     speculator = Speculator(engine, 1, SpeculativeConfig("lookup", 2, adaptive=False), sampler,
                             FixedDrafter([d0, d1]))
     first, second = torch.zeros(len(p0)), torch.zeros(len(p1))
-    for _ in range(3000):
+    for _ in range(2000):
         out = speculator.step(history, room=3).tokens
         first[out[0]] += 1
         if out[0] == d0:
@@ -313,6 +313,18 @@ def test_k_follows_the_acceptance_rate():
     for _ in range(4):
         policy.record_verify(10.0, policy.k, 0)
     assert policy.k == 1
+
+
+def test_k_stays_small_when_each_draft_token_costs_a_lot_and_grows_when_drafts_are_cheap():
+    expensive, cheap = SpeculationPolicy(max_k=8), SpeculationPolicy(max_k=8)
+    for policy, ms_per_draft in ((expensive, 20.0), (cheap, 0.5)):
+        policy.record_plain(20.0)
+        policy.record_plain(20.0)
+        for _ in range(6):
+            k = policy.k
+            policy.record_verify(20.0 + ms_per_draft * k, k, k)  # every draft accepted
+    assert expensive.k == 1 and expensive.draft_cost == pytest.approx(1.0, rel=0.05)
+    assert cheap.k == 8
 
 
 def test_speculation_stands_down_when_verify_steps_produce_tokens_slower_than_plain_steps():
