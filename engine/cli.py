@@ -67,7 +67,8 @@ def _messages(args):
             yield line
 
 
-def run_chat(args) -> int:
+def run_chat(args, engine=None) -> int:
+    """engine: one already loaded (tests share one); --model and the cache options then do not apply."""
     from engine.engine import Engine
 
     try:
@@ -81,7 +82,7 @@ def run_chat(args) -> int:
                                 speculative=SpeculativeConfig(getattr(args, "speculative", "off"),
                                                               getattr(args, "draft_tokens", 8)))
         progress = None if args.json else (lambda msg, frac: print(f"[{msg}]", file=sys.stderr))
-        engine = Engine.load(args.model, config, progress)
+        engine = engine or Engine.load(args.model, config, progress)
     except (ConfigError, ModelLoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

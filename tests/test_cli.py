@@ -1,8 +1,11 @@
-"""`main.py chat`: the engine in a terminal, as text or one JSON object per step, and its errors."""
+"""`main.py chat`: the engine in a terminal, as text or one JSON object per step, and its errors. The turns run
+in this process on the session's one loaded default model; the errors run `main.py chat` as a program."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
+import io
 import json
 import os
 import subprocess
@@ -12,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import main
+from engine.cli import run_chat
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "What is the capital of France?"
@@ -44,20 +48,33 @@ def turns(recs: list[dict]) -> list[tuple[list[dict], dict]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def plain_run():
-    return chat("--prompt", QUESTION, "--temperature", "0")
+def chat_with(engine, *args: str, stdin: str = "") -> subprocess.CompletedProcess:
+    """`main.py chat ARGS` in this process, on the session's loaded default model (a fresh paged cache)."""
+    engine.set_cache("paged", 16)
+    out, err, saved_stdin = io.StringIO(), io.StringIO(), sys.stdin
+    sys.stdin = io.StringIO(stdin)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = run_chat(main.build_parser().parse_args(["chat", *args]), engine)
+    finally:
+        sys.stdin = saved_stdin
+    return subprocess.CompletedProcess(["chat", *args], code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="module")
-def json_run():
-    return chat("--prompt", QUESTION, "--temperature", "0", "--json")
+def plain_run(default_engine):
+    return chat_with(default_engine, "--prompt", QUESTION, "--temperature", "0")
 
 
 @pytest.fixture(scope="module")
-def interactive_run():
-    return chat("--json", "--temperature", "0", "--cache", "paged", "--max-new-tokens", "24",
-                stdin=f"{QUESTION}\n\nAnd of Germany?\n")
+def json_run(default_engine):
+    return chat_with(default_engine, "--prompt", QUESTION, "--temperature", "0", "--json")
+
+
+@pytest.fixture(scope="module")
+def interactive_run(default_engine):
+    return chat_with(default_engine, "--json", "--temperature", "0", "--cache", "paged", "--max-new-tokens", "24",
+                     stdin=f"{QUESTION}\n\nAnd of Germany?\n")
 
 
 @pytest.mark.default_model
