@@ -69,6 +69,16 @@ def test_batched_greedy_outputs_equal_one_at_a_time(tiny_engine_factory):
     assert sched.stats().peak_running == 6
 
 
+@pytest.mark.parametrize("cache", ["contiguous", "paged-int8"])
+def test_other_caches_batch_the_same_way(tiny_engine_factory, cache):
+    batch = prompts(4, [9, 50, 21, 70], seed=5)
+    sched = Scheduler(tiny_engine_factory(cache=cache), SchedulerConfig(prefill_chunk=32))
+    col, ids = run_all(sched, batch, greedy(10))
+    for rid, prompt in zip(ids, batch):
+        assert col.tokens(rid) == alone(tiny_engine_factory, prompt, greedy(10), cache=cache)
+    assert sched.stats().peak_running == 4 and sched.cache.stats().bytes_used == 0
+
+
 def test_scheduler_output_equals_engine_generate(tiny_engine_factory):
     engine = tiny_engine_factory()
     conv = engine.new_conversation("You are terse.")
