@@ -23,6 +23,9 @@ def run_serve(args) -> int:
     except Exception as e:  # noqa: BLE001 - a clear message and an exit code, not a traceback
         print(f"kvscope serve: {e}", file=sys.stderr)
         return 1
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print(f"kvscope serve: warning: listening on {args.host} without --api-key: anyone who can reach this "
+              f"port can use the model", file=sys.stderr)
     app = create_app(scheduler, engine.model_name, args.api_key)
     scheduler.start()
     print(f"kvscope: serving {engine.model_name} ({engine.cache_strategy}, block size {engine.block_size}, "
