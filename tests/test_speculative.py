@@ -396,3 +396,28 @@ def test_greedy_speculation_on_the_real_model_is_token_identical_for_256_tokens_
         else:
             assert done.n_accepted < done.n_drafted, f"{strategy}: some drafts must be rejected"
     default_engine.set_cache("paged", 16)
+
+
+# ---- the chat CLI ---------------------------------------------------------------------------------------------
+
+
+def test_the_cli_refuses_a_bad_draft_token_count_before_loading_anything(capsys):
+    import main
+
+    assert main.main(["chat", "--prompt", "hi", "--speculative", "lookup", "--draft-tokens", "0"]) == 2
+    assert "max_draft_tokens" in capsys.readouterr().err
+
+
+@pytest.mark.default_model
+def test_the_cli_speculates_with_lookup_and_its_json_steps_say_what_each_step_verified():
+    from tests.test_cli import chat, records, turns
+
+    args = ("--prompt", REAL_PROMPTS["hits"], "--temperature", "0", "--max-new-tokens", "32", "--json")
+    plain = turns(records(chat(*args).stdout))
+    spec = turns(records(chat(*args, "--speculative", "lookup", "--draft-tokens", "4").stdout))
+    (plain_steps, plain_done), (steps, done) = plain[0], spec[0]
+    assert done["text"] == plain_done["text"]
+    assert all(0 <= s["n_accepted"] <= s["n_drafted"] <= 4 for s in steps)
+    assert sum(s["n_drafted"] for s in steps) == done["n_drafted"] > 0
+    assert done["n_decode_steps"] < plain_done["n_decode_steps"]
+    assert all(s["n_drafted"] == 0 for s in plain_steps)
