@@ -115,7 +115,7 @@ def test_closing_the_window_50_times_mid_phase_leaves_no_thread_and_no_block(qtb
         closed_inside += closed
         assert used == 0, f"close {i}: {used} blocks still in use"
         threads = threads or os_threads()  # after the first close: the app's own threads have started
-        assert os_threads() == threads, f"close {i}: a thread was left running"
+        assert os_threads() <= threads, f"close {i}: a thread was left running"  # idle helper threads may end
     assert closed_inside == CLOSES  # every close landed while the worker was held inside the phase
     assert not [r for r in qtlog.records if "QThread" in r.message]
 
