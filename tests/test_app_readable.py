@@ -109,9 +109,14 @@ def item_rect(panel, plot, run, name: str) -> QRect:
 
 
 def clipped_labels(root) -> list[str]:
-    """Visible labels narrower than their text (a wrapping label may be narrower: it is taller instead)."""
-    return [label.text() for label in root.findChildren(QLabel) if label.isVisibleTo(root) and label.text()
-            and not label.wordWrap() and label.width() < label.sizeHint().width() and label.maximumWidth() > 0]
+    """Visible labels narrower than their text, or (wrapping labels) shorter than their wrapped text."""
+    def clipped(label: QLabel) -> bool:
+        if label.wordWrap():
+            return label.height() < label.heightForWidth(label.width())
+        return label.width() < label.sizeHint().width() and label.maximumWidth() > 0
+
+    return [label.text() for label in root.findChildren(QLabel)
+            if label.isVisibleTo(root) and label.text() and clipped(label)]
 
 
 def settle(qtbot, ms: int = 250) -> None:
