@@ -5,6 +5,7 @@ Either way the replies are the same tokens."""
 from __future__ import annotations
 
 import pytest
+import torch
 from engine_helpers import greedy, run_turn
 
 from engine.bench import branches, turns
@@ -180,3 +181,61 @@ def test_branches_benchmark_shares_blocks_where_contiguous_copies(tiny_engine_fa
     # the shared full blocks, once per turn
     assert cont["copied_tokens"] > cont["live_tokens"] // 2 and paged["copied_tokens"] == 0
     assert cont["prefill_tokens"] <= paged["prefill_tokens"] <= cont["prefill_tokens"] + 15 * len(paged["turns"])
+
+
+# ---- fork: a branch of a conversation ------------------------------------------------------------------------
+
+
+def continue_with(engine, seq_id: int, prompt: list[int]) -> torch.Tensor:
+    held = engine.cache.prepare(seq_id, prompt)
+    return engine.step([seq_id], [prompt[held:]])[0]  # logits of the last prompt token
+
+
+@pytest.mark.parametrize("strategy", ["contiguous", "paged"])
+def test_a_forked_branch_continues_exactly_like_a_fresh_sequence_and_leaves_its_parent_alone(tiny_engine_factory,
+                                                                                             strategy):
+    engine = tiny_engine_factory(strategy, 16)
+    parent, branch = list(range(10, 60)), list(range(10, 45)) + [7, 8, 9]  # the branch diverges at token 35
+    continue_with(engine, 1, parent)
+    engine.cache.fork(1, 2)
+    assert engine.cache.tokens_held(2) == len(parent)
+
+    got = continue_with(engine, 2, branch)
+    assert engine.cache.tokens_held(2) == len(branch) and engine.cache.tokens_held(1) == len(parent)
+    fresh = tiny_engine_factory(strategy, 16)
+    torch.testing.assert_close(got, continue_with(fresh, 9, branch), rtol=1e-4, atol=1e-5)
+    # the parent's keys and values are untouched: its next token is what it was
+    torch.testing.assert_close(engine.step([1], [[5]])[0], fresh_step(tiny_engine_factory(strategy, 16), parent),
+                               rtol=1e-4, atol=1e-5)
+
+
+def fresh_step(engine, prompt: list[int]) -> torch.Tensor:
+    continue_with(engine, 1, prompt)
+    return engine.step([1], [[5]])[0]
+
+
+def test_a_paged_fork_shares_full_blocks_and_copies_only_the_partly_filled_one(tiny_engine_factory):
+    engine = tiny_engine_factory("paged", 16)
+    cache, pool = engine.cache, engine.cache.pool
+    continue_with(engine, 1, list(range(10, 60)))  # 50 tokens: 3 full blocks and one of 2
+    used = pool.num_used
+    cache.fork(1, 2)
+    assert pool.num_used == used and [pool.refcount(b) for b in cache.seqs[1].blocks] == [2, 2, 2, 2]
+
+    continue_with(engine, 2, list(range(10, 50)) + [3])  # keeps 40 tokens: 2 full blocks and 8 of the third
+    parent, child = cache.seqs[1].blocks, cache.seqs[2].blocks
+    assert child[:2] == parent[:2]  # shared
+    assert child[2] != parent[2] and len(child) == 3  # the block it writes into was copied first
+    assert [pool.refcount(b) for b in parent] == [2, 2, 1, 1]
+    pool.check_invariants()
+    cache.release(1)
+    cache.release(2)
+    assert pool.num_used == 0
+    pool.check_invariants()
+
+
+def test_paged_int8_refuses_to_fork(tiny_engine_factory):
+    engine = tiny_engine_factory("paged-int8", 16)
+    continue_with(engine, 1, list(range(10, 30)))
+    with pytest.raises(NotImplementedError, match="paged-int8"):
+        engine.cache.fork(1, 2)

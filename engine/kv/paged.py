@@ -298,6 +298,18 @@ class PagedCache(KVCache):
     def _keep_tokens(self, seq: Sequence, keep: int) -> None:
         del seq.tokens[keep:]
 
+    def fork(self, src: int, dst: int) -> None:
+        """dst starts holding what src holds by sharing its blocks (one more reference each): a branch of a
+        conversation costs no copy of its prefix. The partly filled last block is copied before dst writes into
+        it (copy-on-write, in prepare/truncate). 'paged' only: paged-int8 also keeps a window per sequence."""
+        if self.name != "paged":
+            raise NotImplementedError(f"fork is not available for {self.name}")
+        parent = self.seqs[src]
+        self.release(dst)
+        for block in parent.blocks:
+            self.pool.share(block)
+        self.seqs[dst] = Sequence(list(parent.tokens), list(parent.blocks), list(parent.hashes))
+
     # ---- a step
     def begin_step(self, seq_ids, new_tokens):
         seqs = [self.seqs[s] for s in seq_ids]
