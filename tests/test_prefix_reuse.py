@@ -177,11 +177,11 @@ def test_branches_benchmark_shares_blocks_where_contiguous_copies(tiny_engine_fa
     assert cont["live_tokens"] == paged["live_tokens"]
     assert paged["bytes_used"] * 2 < cont["bytes_used"]
     assert paged["shared_blocks"] > 0 and cont["shared_blocks"] == 0
-    # contiguous copies its parent's tokens instead; paged recomputes at most the partly filled block after
-    # the shared full blocks, once per turn
-    assert cont["copied_tokens"] > cont["live_tokens"] // 2 and paged["copied_tokens"] == 0
-    assert cont["prefill_tokens"] <= paged["prefill_tokens"] <= cont["prefill_tokens"] + 15 * len(paged["turns"])
-
+    # both fork and keep the exact common prefix: the same tokens are computed; contiguous copies its parent's
+    # tokens, paged at most the partly filled block of each fork (copy-on-write)
+    assert cont["prefill_tokens"] == paged["prefill_tokens"]
+    forks = len(paged["turns"]) - 1
+    assert cont["copied_tokens"] > cont["live_tokens"] // 2 and paged["copied_tokens"] <= 15 * forks
 
 # ---- fork: a branch of a conversation ------------------------------------------------------------------------
 

@@ -1,9 +1,9 @@
 """branches: what only blocks give. N conversations share a long system prompt; each asks a question, then
 branches (a regenerated reply, an edited question) while every earlier branch stays alive, as in a chat app that
-lets you flip between versions of a reply. 'contiguous' holds one buffer per sequence: a branch (or a new
-conversation) must copy the shared prefix into a buffer of its own. 'paged' maps the same physical blocks into
-every branch's block table (prefix cache, reference counts): the shared prefix is held once, and only the partly
-filled block after it is computed again."""
+lets you flip between versions of a reply. Both caches fork the branch from its parent and cut it to the common
+prefix. 'contiguous' holds one buffer per sequence: the fork copies the parent's buffer. 'paged' maps the same
+physical blocks into the branch's block table (reference counts): the shared prefix is held once, and only the
+partly filled block the branch writes into is copied (copy-on-write)."""
 
 from __future__ import annotations
 
@@ -27,11 +27,12 @@ KINDS = ("first conversation", "new conversation", "regenerate", "edit")
 METHOD = (
     "A system prompt of real English (the Python docs' topic pages) is shared by every conversation. Each "
     "conversation asks a ~40-token question (greedy reply), then branches: a regenerated reply (sampled, seeded) "
-    "and a branch with an edited question, each a new sequence while the earlier ones stay alive. 'contiguous' "
-    "(prefix reuse on, reservations sized to prompt + reply, its most frugal setting) copies the parent's buffer "
-    "into the branch's (a new conversation copies the first conversation's) and cuts it to the common prefix; "
-    "'paged' (block 16) finds the prefix's full blocks in the prefix cache and shares them. TTFT of contiguous "
-    "includes its copy. Memory = bytes holding live tokens with every branch alive (KVStats.bytes_used); "
+    "and a branch with an edited question, each a new sequence while the earlier ones stay alive. Each branch "
+    "(and each new conversation, from the first one) is forked from its parent and cut to the common prefix: "
+    "'contiguous' (prefix reuse on, reservations sized to prompt + reply, its most frugal setting) copies the "
+    "parent's buffer; 'paged' (block 16) shares the parent's blocks and copies only the partly filled block it "
+    "writes into (tokens copied: the tokens of those blocks). TTFT includes the fork. Memory = bytes holding "
+    "live tokens with every branch alive (KVStats.bytes_used); "
     "reserved = what the cache allocated (contiguous: its reservations; paged: its pool)."
 )
 
@@ -103,24 +104,25 @@ class Branching:
 
     def _turn(self, kind: str, conv: Conversation, message: str | None, parent: Conversation | None,
               seed: int | None = None) -> Conversation:
-        copy_ms = self._copy(parent, conv) if parent is not None else 0.0
+        fork_ms = self._fork(parent, conv) if parent is not None else 0.0
         params = SamplingParams(temperature=0 if seed is None else 0.8, seed=seed, stop_token_ids=(-1,),
                                 max_new_tokens=self.reply_tokens)
         done = [ev for ev in self.ctx.engine.generate(conv, message, params) if isinstance(ev, DoneEvent)][0]
+        if parent is not None and self.strategy == "paged":  # copy-on-write of the block cut in the middle
+            self.copied_tokens += done.prefix_hit_tokens % self.ctx.engine.cache.block_size
         self.alive.append(conv)
-        self.rows.append({"kind": kind, "ttft_ms": copy_ms + done.ttft_ms, "copy_ms": copy_ms,
+        self.rows.append({"kind": kind, "ttft_ms": fork_ms + done.ttft_ms, "fork_ms": fork_ms,
                           "prompt_tokens": done.n_prompt_tokens, "prefix_hit_tokens": done.prefix_hit_tokens})
         return conv
 
-    def _copy(self, parent: Conversation, conv: Conversation) -> float:
-        """contiguous: the branch starts as a copy of its parent's buffer. paged: nothing to do (shared)."""
+    def _fork(self, parent: Conversation, conv: Conversation) -> float:
+        """The branch starts holding what its parent holds: contiguous copies the buffer, paged shares blocks."""
         e = self.ctx.engine
-        if self.strategy != "contiguous":
-            return 0.0
         start = time.perf_counter()
         e.cache.fork(parent.seq_id, conv.seq_id)
         e.synchronize()
-        self.copied_tokens += e.cache.tokens_held(conv.seq_id)
+        if self.strategy == "contiguous":
+            self.copied_tokens += e.cache.tokens_held(conv.seq_id)
         return (time.perf_counter() - start) * 1000
 
     def _figures(self, cache) -> dict:
