@@ -10,7 +10,7 @@ import gc
 import psutil
 import pytest
 from PySide6.QtCore import QCoreApplication, QEvent
-from test_app_support import greedy, send
+from test_app_support import dispose, make_settings, open_window, send
 
 from engine.config import CACHE_STRATEGIES, SamplingParams
 from engine.events import DoneEvent
@@ -81,12 +81,18 @@ def test_a_100_turn_chat_leaks_no_block_object_thread_or_memory(tiny_engine_fact
     assert_flat(warm, process_figures(), TURNS, f"{TURNS} turns")
 
 
-def test_200_new_chat_cycles_in_the_window_return_to_the_same_state(qtbot, window):
+def test_200_new_chat_cycles_in_the_window_return_to_the_same_state(qtbot, tmp_path, tiny_engine_factory):
     """Each cycle answers the same question in a new chat: after every cycle the pool is exactly as after the
     first (the same blocks used, free and cached), and after the warm-up nothing grows. View -> Clear plots ends
     each cycle: the plots keep every chat's curves until cleared, on purpose."""
-    window.sampling_override = greedy(2)
+    window = open_window(qtbot, make_settings(tmp_path), tiny_engine_factory("paged", 16), 2, show=False)
+    try:
+        run_cycles(qtbot, window)
+    finally:
+        dispose(window)
 
+
+def run_cycles(qtbot, window) -> None:
     def cycle() -> tuple[int, int, int, int]:
         send(qtbot, window, "What is a KV cache?")
         window.new_chat()
