@@ -104,6 +104,14 @@ class BlockGrid(QWidget):
             self.setToolTip("not allocated yet: the pool may grow here, within its budget")
 
 
+def _held_text(kv) -> str:
+    """What a strategy without blocks holds: 'none' holds nothing, whatever the context it recomputes."""
+    if kv.strategy != "none":
+        return f"{kv.tokens:,} tokens held"
+    recomputed = f": the {kv.tokens:,}-token context is recomputed every step" if kv.tokens else ""
+    return f"nothing held{recomputed}"
+
+
 class BlockMap(QWidget):
     """Call set_stats(kv) with each KVStats; non-paged strategies show a line of text instead of a grid."""
 
@@ -131,8 +139,7 @@ class BlockMap(QWidget):
         if not budget and (not kv.num_blocks or not kv.block_states):
             why = NO_BLOCKS_TEXT.get(kv.strategy, "does not use a block pool.")
             self.message.setText(f"The '{kv.strategy}' strategy has no blocks: it {why}")
-            self.summary.setText(f"nothing held: the {kv.tokens:,}-token context is recomputed every step"
-                                 if kv.strategy == "none" else f"{kv.tokens:,} tokens held")
+            self.summary.setText(_held_text(kv))
             self.stack.setCurrentWidget(self.message)
             self.legend.hide()
             return
