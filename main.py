@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.config import BLOCK_SIZES, CACHE_STRATEGIES
+from engine.config import BLOCK_SIZES, CACHE_STRATEGIES, WEIGHT_FORMATS
 
 
 def add_model_options(p: argparse.ArgumentParser, default_cache: str | None = "paged") -> None:
     p.add_argument("--model", help="a .gguf file or a Hugging Face model folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--cache", choices=CACHE_STRATEGIES, default=default_cache, help="KV-cache strategy")
     p.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=None, help="paged block size (tokens)")
+    p.add_argument("--weights", choices=WEIGHT_FORMATS, default=None,
+                   help="weight format (default auto: the fastest measured on this machine that meets the quality "
+                        "bounds; int4/int8 keep a GGUF's own integers)")
     add_prefix_reuse_option(p)
     add_kv_budget_option(p)
 
@@ -47,8 +50,6 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--repetition-penalty", type=float, default=1.1)
     chat.add_argument("--seed", type=int)
     chat.add_argument("--prompt", help="one turn, then exit (default: one message per line of standard input)")
-    chat.add_argument("--decode-weights", choices=("bfloat16", "float16"),
-                      help="keep a half-precision weight copy for single-token steps (faster decode on CPU)")
     chat.add_argument("--speculative", choices=("off", "lookup"), default="off",
                       help="speculative decoding: lookup drafts tokens from the conversation itself (prompt lookup) "
                            "and verifies them in one forward; the output is unchanged")
@@ -77,6 +78,8 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--cache", choices=CACHE_STRATEGIES, default="paged", help="KV-cache strategy")
     serve.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=None, help="paged block size (tokens)")
     serve.add_argument("--pool-tokens", type=int, help="paged pool capacity in tokens (default: one context)")
+    serve.add_argument("--weights", choices=WEIGHT_FORMATS, default=None,
+                       help="weight format (default auto: the fastest single-token decode measured on this machine)")
     serve.add_argument("--max-concurrency", type=int, default=16, help="requests in the running batch at most")
     serve.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health")
 

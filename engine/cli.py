@@ -73,7 +73,7 @@ def run_chat(args, engine=None) -> int:
 
     try:
         config = EngineConfig(cache=args.cache, block_size=args.block_size or 16,
-                              decode_dtype=getattr(args, "decode_weights", None),
+                              weights=getattr(args, "weights", None) or "auto",
                               prefix_reuse=getattr(args, "prefix_reuse", None) != "off",
                               kv_budget_mib=getattr(args, "kv_budget", None))
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

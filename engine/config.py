@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 CACHE_STRATEGIES = ("none", "contiguous", "paged", "paged-int8")
+WEIGHT_FORMATS = ("auto", "float32", "bfloat16", "int8", "int4")
 BLOCK_SIZES = (1, 8, 16, 32, 64)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 
@@ -94,7 +95,7 @@ class EngineConfig:
     device: str | None = None  # default: cuda, then mps, then cpu
     dtype: str | None = None  # default: float16 on cuda/mps, float32 on cpu (measured fastest there)
     num_threads: int | None = None
-    decode_dtype: str | None = None  # e.g. "bfloat16": a half-precision weight copy for single-token steps
+    weights: str | None = None  # weight format: auto, float32, bfloat16, int8, int4 (None: as the model holds them)
     prefix_reuse: bool = True  # keep a conversation's cache between turns and reuse the common prefix
 
     def __post_init__(self):
@@ -113,9 +114,10 @@ class EngineConfig:
             raise ConfigError(f"the KV budget must be a positive number of MiB, got {self.kv_budget_mib}")
         if not isinstance(self.prefix_reuse, bool):
             raise ConfigError(f"prefix_reuse must be True or False, got {self.prefix_reuse!r}")
-        for name in ("dtype", "decode_dtype"):
-            if getattr(self, name) not in (None, "float32", "float16", "bfloat16"):
-                raise ConfigError(f"{name} must be float32, float16 or bfloat16, got {getattr(self, name)!r}")
+        if self.dtype not in (None, "float32", "float16", "bfloat16"):
+            raise ConfigError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.weights not in (None, *WEIGHT_FORMATS):
+            raise ConfigError(f"unknown weight format {self.weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
 
 
 SPECULATIVE_MODES = ("off", "lookup", "draft")  # draft: a second model set as engine.draft_engine

@@ -21,6 +21,7 @@ from engine.kv.recompute import RecomputeCache
 from engine.model import LlamaModel
 from engine.sampler import Sampler
 from engine.speculative import Speculator
+from engine.weights.convert import apply_format, resolve_auto, to_format
 
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<|end|>")
 PREFILL_CHUNK = 1024
@@ -43,6 +44,11 @@ def pick_dtype(requested: str | None, device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else torch.float16
 
 
+def largest_layer_shape(config) -> tuple[int, int]:
+    """The fused gate/up projection: the largest matrix of a decoder layer, [N, K]."""
+    return 2 * config.intermediate_size, config.hidden_size
+
+
 def make_cache(strategy: str, engine: Engine, block_size: int, pool_tokens: int | None) -> KVCache:
     cache = _new_cache(strategy, engine, block_size, pool_tokens)
     cache.prefix_reuse = engine.config.prefix_reuse
@@ -62,16 +68,16 @@ def _new_cache(strategy: str, engine: Engine, block_size: int, pool_tokens: int 
 
 
 class Engine:
+    weights_file_bytes = 0  # the size of the file(s) the weights were read from, when loaded from disk
     def __init__(self, model: LlamaModel, tokenizer, config: EngineConfig | None = None, name: str = "model"):
         self.config = config or EngineConfig()
         self.device = pick_device(self.config.device)
         self.dtype = pick_dtype(self.config.dtype, self.device)
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
-        self.model.rotary.float()
-        if self.config.decode_dtype:
-            self.model.set_decode_weights(getattr(torch, self.config.decode_dtype))
+        self.model = model.to(device=self.device).eval()
+        self.model.set_activation_dtype(self.dtype)
+        self.weight_format = self._apply_weight_format(self.config.weights)
         self.tokenizer = tokenizer
         self.model_config = model.config
         self.model_name = name
@@ -84,12 +90,33 @@ class Engine:
     @classmethod
     def load(cls, model: str | None = None, config: EngineConfig | None = None,
              progress: loader.Progress | None = None) -> Engine:
-        weights = loader.load_weights(model, progress)
+        """Load a model; weights convert to config.weights tensor by tensor as they are read (default: auto)."""
         config = config or EngineConfig()
+        if config.weights is None:
+            config = EngineConfig(**{**config.__dict__, "weights": "auto"})
+        fmt = None if config.weights == "auto" else config.weights
+        weights = loader.load_weights(model, progress, fmt)
+        if config.weights == "auto":
+            fmt = resolve_auto(pick_device(config.device), largest_layer_shape(weights.config), loader.cache_root())
+            weights.state_dict = {n: to_format(w, fmt, n) for n, w in weights.state_dict.items()}
+            config = EngineConfig(**{**config.__dict__, "weights": fmt})
         max_positions = min(config.max_context or weights.config.max_position_embeddings,
                             weights.config.max_position_embeddings)
         net = LlamaModel.from_hf_state_dict(weights.config, weights.state_dict, max_positions)
-        return cls(net, weights.tokenizer, config, weights.name)
+        engine = cls(net, weights.tokenizer, config, weights.name)
+        engine.weights_file_bytes = weights.file_bytes
+        return engine
+
+    def _apply_weight_format(self, fmt: str | None) -> str:
+        if fmt == "auto":
+            fmt = resolve_auto(self.device, largest_layer_shape(self.model.config), None)
+        if fmt is not None:
+            apply_format(self.model, fmt)
+        return self.model.weight_format
+
+    @property
+    def weights_resident_bytes(self) -> int:
+        return self.model.resident_bytes
 
     @property
     def dtype_name(self) -> str:

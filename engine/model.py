@@ -10,6 +10,28 @@ from torch import nn
 
 from engine.config import ConfigError, ModelConfig
 from engine.kv.base import StepView
+from engine.weights.formats import QuantizedWeight
+from engine.weights.linear import FloatLinear, WeightLinear, build_linear
+
+Weight = torch.Tensor | QuantizedWeight
+
+
+def placeholder(out_features: int, in_features: int) -> WeightLinear:
+    """A projection whose weights are assigned at load (built on the meta device)."""
+    return FloatLinear(torch.empty(out_features, in_features))
+
+
+class TokenEmbedding(nn.Module):
+    """Embedding rows read from a projection's storage (the head's when tied), in any weight format."""
+
+    def __init__(self, table: WeightLinear, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.table = table
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # ids: [B, T] -> [B, T, H]
+        return self.table.rows(ids, self.dtype)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -58,22 +80,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
-class Linear(nn.Linear):
-    """nn.Linear that can keep a half-precision copy of its weight for single-row (decode) inputs.
-
-    On CPU a half-precision matrix-vector product reads half the bytes and runs ~1.5x faster, while
-    float32 stays much faster for the many-row matmuls of prefill, so both copies are kept.
-    """
-
-    decode_weight: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.decode_weight
-        if w is None or x.numel() != x.shape[-1]:
-            return F.linear(x, self.weight)
-        return torch.mv(w, x.reshape(-1).to(w.dtype)).to(x.dtype).view(*x.shape[:-1], -1)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -91,8 +97,8 @@ class Attention(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.qkv_proj = Linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, bias=False)
-        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.qkv_proj = placeholder((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size)
+        self.o_proj = placeholder(c.hidden_size, c.num_heads * c.head_dim)
 
     def forward(self, x, cos, sin, view: StepView, layer: int) -> torch.Tensor:
         b, t, _ = x.shape
@@ -108,8 +114,8 @@ class MLP(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.intermediate = c.intermediate_size
-        self.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
-        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.gate_up_proj = placeholder(2 * c.intermediate_size, c.hidden_size)
+        self.down_proj = placeholder(c.hidden_size, c.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -133,20 +139,34 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int | None = None):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.lm_head = placeholder(config.vocab_size, config.hidden_size)
+        self.embed_tokens = TokenEmbedding(self.lm_head if config.tie_word_embeddings
+                                           else placeholder(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(config, max_positions or config.max_position_embeddings)
 
-    def set_decode_weights(self, dtype: torch.dtype | None) -> None:
-        """Keep a copy of every projection in `dtype` for single-token steps (None: use the weights as they are)."""
+    def projections(self) -> dict[str, WeightLinear]:
+        """Every weight matrix by name (a tied embedding is the head, listed once)."""
+        return {name: m for name, m in self.named_modules(remove_duplicate=True) if isinstance(m, WeightLinear)}
+
+    @property
+    def weight_format(self) -> str:
+        """The format of the transformer blocks' projections (the head may differ, e.g. int8 beside int4)."""
+        return self.layers[0].mlp.down_proj.format_name
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of all weights as they sit in memory (norms included, rotary tables excluded)."""
+        own = sum(m.resident_bytes for m in self.projections().values())
+        return own + sum(p.nbytes for p in self.parameters())
+
+    def set_activation_dtype(self, dtype: torch.dtype) -> None:
+        """Norms and embeddings produce `dtype`; the projections keep their own storage format."""
         for module in self.modules():
-            if isinstance(module, Linear):
-                same = dtype is None or dtype == module.weight.dtype
-                module.decode_weight = None if same else module.weight.detach().to(dtype)
+            if isinstance(module, RMSNorm):
+                module.weight.data = module.weight.data.to(dtype)
+        self.embed_tokens.dtype = dtype
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, view: StepView, all_logits: bool = False) -> torch.Tensor:
@@ -161,16 +181,25 @@ class LlamaModel(nn.Module):
         return self.lm_head(self.norm(x)).float()
 
     @classmethod
-    def from_hf_state_dict(cls, config: ModelConfig, state: dict[str, torch.Tensor],
+    def from_hf_state_dict(cls, config: ModelConfig, state: dict[str, Weight],
                            max_positions: int | None = None) -> LlamaModel:
-        """Build from Hugging Face Llama weight names, fusing q/k/v and gate/up projections."""
+        """Build from Hugging Face Llama weight names (float tensors or QuantizedWeight, any mix), fusing q/k/v
+        and gate/up projections."""
         with torch.device("meta"):
             model = cls(config, max_positions)
         fused = fuse_hf_state_dict(config, state)
-        model.load_state_dict(fused, strict=False, assign=True)
-        model.rotary = Rotary(config, max_positions or config.max_position_embeddings)
+        for name in list(model.projections()):
+            weight = fused.pop(f"{name}.weight", None)
+            if weight is None and name in ("embed_tokens.table", "lm_head"):
+                weight = fused.pop("embed_tokens.weight", None)
+            if weight is None:
+                raise ValueError(f"weights missing from the checkpoint: {name}")
+            _set_module(model, name, build_linear(weight))
         if config.tie_word_embeddings:
-            model.lm_head.weight = model.embed_tokens.weight
+            model.embed_tokens.table = model.lm_head
+        norms = {k: v for k, v in fused.items() if k.endswith("norm.weight")}
+        model.load_state_dict(norms, strict=False, assign=True)
+        model.rotary = Rotary(config, max_positions or config.max_position_embeddings)
         missing = [n for n, p in model.named_parameters() if p.is_meta]
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {', '.join(missing[:5])}")
@@ -182,7 +211,12 @@ class LlamaModel(nn.Module):
         return cls.from_hf_state_dict(config, random_hf_state_dict(config, seed, std))
 
 
-def fuse_hf_state_dict(c: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _set_module(model: nn.Module, dotted: str, module: nn.Module) -> None:
+    parent, _, leaf = dotted.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+def fuse_hf_state_dict(c: ModelConfig, state: dict[str, Weight]) -> dict[str, Weight]:
     out = {}
     for name, tensor in state.items():
         name = name.removeprefix("model.")
@@ -196,15 +230,23 @@ def fuse_hf_state_dict(c: ModelConfig, state: dict[str, torch.Tensor]) -> dict[s
     return out
 
 
-def _fused_layer(state: dict, prefix: str, attention: bool) -> dict[str, torch.Tensor]:
+def _fused_layer(state: dict, prefix: str, attention: bool) -> dict[str, Weight]:
     def get(suffix):
         return state.get(f"model.{prefix}.{suffix}", state.get(f"{prefix}.{suffix}"))
 
     if attention:
         parts = [get(f"self_attn.{p}_proj.weight") for p in "qkv"]
-        return {f"{prefix}.self_attn.qkv_proj.weight": torch.cat(parts)}
+        return {f"{prefix}.self_attn.qkv_proj.weight": concat(parts)}
     parts = [get(f"mlp.{p}_proj.weight") for p in ("gate", "up")]
-    return {f"{prefix}.mlp.gate_up_proj.weight": torch.cat(parts)}
+    return {f"{prefix}.mlp.gate_up_proj.weight": concat(parts)}
+
+
+def concat(parts: list[Weight]) -> Weight:
+    if any(p is None for p in parts):
+        raise ValueError("a projection to fuse is missing from the checkpoint")
+    if all(isinstance(p, QuantizedWeight) for p in parts):
+        return QuantizedWeight.concat(parts)
+    return torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts])
 
 
 def random_hf_state_dict(c: ModelConfig, seed: int, std: float) -> dict[str, torch.Tensor]:

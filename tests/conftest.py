@@ -98,7 +98,9 @@ def small_vocab_model_folder(tmp_path_factory, tokenizer) -> Path:
 def default_engine(default_weights) -> Engine:
     """The real SmolLM2-135M-Instruct (paged cache); tests switch strategy with set_cache."""
     model = LlamaModel.from_hf_state_dict(default_weights.config, default_weights.state_dict)
-    return Engine(model, default_weights.tokenizer, EngineConfig(cache="paged"), default_weights.name)
+    # float32 weights (the GGUF's blocks dequantized): the reference every format is measured against
+    return Engine(model, default_weights.tokenizer, EngineConfig(cache="paged", weights="float32"),
+                  default_weights.name)
 
 
 @pytest.fixture

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine import loader
 from engine.loader import ModelLoadError
+from tests.gguf_files import write_tiny_gguf
 
 LLAMA_CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=64, hidden_size=32,
                     intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
@@ -163,67 +163,34 @@ def test_a_failing_conversion_leaves_no_model_folder(tmp_path, private_cache):
     assert model_folders(private_cache) == []
 
 
-class FakeTransformers:
-    """Stands in for transformers' GGUF reading: a tiny Llama and the real tokenizer, in milliseconds."""
+def test_a_conversion_that_fails_half_way_leaves_nothing_behind(tmp_path, private_cache, monkeypatch):
+    path, _ = write_tiny_gguf(tmp_path / "tiny.gguf")
 
-    def __init__(self, tokenizer, fail_saving_tokenizer: bool = False):
-        self.tokenizer, self.fail, self.conversions = tokenizer, fail_saving_tokenizer, 0
-        config = LlamaConfig(**{**LLAMA_CONFIG, "vocab_size": len(tokenizer)}, tie_word_embeddings=True)
-        self.model = LlamaForCausalLM(config)
-
-    def install(self, monkeypatch) -> None:
-        fake = self
-
-        class Tokenizer:
-            @staticmethod
-            def from_pretrained(*args, **kwargs):
-                if fake.fail:
-                    return BrokenSaver(fake.tokenizer)
-                return fake.tokenizer
-
-        class Model:
-            @staticmethod
-            def from_pretrained(*args, **kwargs):
-                fake.conversions += 1
-                return fake.model
-
-        monkeypatch.setattr("transformers.AutoTokenizer", Tokenizer)
-        monkeypatch.setattr("transformers.AutoModelForCausalLM", Model)
-
-
-class BrokenSaver:
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-
-    def save_pretrained(self, folder):
-        (Path(folder) / "tokenizer.json").write_text('{"partial":')
+    def disk_full(tensors, filename, *args, **kwargs):
+        Path(filename).write_bytes(b"partial")
         raise OSError("No space left on device")
 
-
-def test_a_conversion_that_fails_half_way_leaves_nothing_behind(tmp_path, private_cache, tokenizer, monkeypatch):
-    path = write_gguf(tmp_path / "tiny.gguf", "llama")
-    FakeTransformers(tokenizer, fail_saving_tokenizer=True).install(monkeypatch)
+    monkeypatch.setattr("safetensors.torch.save_file", disk_full)
     with pytest.raises(ModelLoadError, match="No space left on device"):
         loader.load_weights(str(path))
     assert model_folders(private_cache) == []  # neither the target nor the staging folder
 
 
-def test_a_conversion_writes_a_whole_folder_once_and_later_loads_reuse_it(tmp_path, private_cache, tokenizer,
-                                                                         monkeypatch):
-    path = write_gguf(tmp_path / "tiny.gguf", "llama")
-    fake = FakeTransformers(tokenizer)
-    fake.install(monkeypatch)
+def test_a_conversion_writes_a_whole_folder_once_and_later_loads_reuse_it(tmp_path, private_cache, monkeypatch):
+    path, _ = write_tiny_gguf(tmp_path / "tiny.gguf")
     weights = loader.load_weights(str(path))
     target = loader.gguf_cache_folder(path)
     assert model_folders(private_cache) == [target.name]
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in target.iterdir()}
     assert weights.name == "tiny" and weights.source == str(path)
-    assert weights.config.num_layers == 1 and weights.config.tie_word_embeddings
+    assert weights.config.num_layers == 2 and weights.config.tie_word_embeddings
     saved = load_file(str(target / "model.safetensors"))
-    assert "lm_head.weight" not in saved  # tied: stored once
-    torch.testing.assert_close(saved["model.embed_tokens.weight"], fake.model.model.embed_tokens.weight.detach())
+    assert "lm_head.weight" not in saved and "lm_head.weight.qweight" not in saved  # tied: stored once
+    assert saved["model.embed_tokens.weight.qweight"].dtype == torch.int8  # Q8_0 kept as integers
+    conversions = []
+    monkeypatch.setattr(loader, "convert_gguf", lambda *args: conversions.append(args))
     loader.load_weights(str(path))
-    assert fake.conversions == 1  # the second load read the cache
+    assert conversions == []  # the second load read the cache
 
 
 # ---- the default model ----------------------------------------------------------------------------------
@@ -253,4 +220,7 @@ def test_the_default_model_loads_from_its_gguf_through_the_conversion_cache(defa
     assert default_weights.source.endswith(".gguf")
     assert (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (30, 9, 3, 64, 49152)
     assert c.tie_word_embeddings and c.architecture == "LlamaForCausalLM"
-    assert default_weights.state_dict["model.embed_tokens.weight"].dtype == torch.float32
+    state = default_weights.state_dict
+    assert state["model.embed_tokens.weight"].bits == 8  # Q8_0 in the file
+    assert state["model.layers.0.mlp.down_proj.weight"].bits == 4  # Q4_1 in the file
+    assert state["model.norm.weight"].dtype == torch.float32

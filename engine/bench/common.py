@@ -57,13 +57,22 @@ class BenchContext:
         path = Path(self.model_arg).expanduser()
         return path if path.exists() else self.model_arg
 
+    def hf_source(self) -> tuple[str, dict]:
+        """What transformers loads the same weights from: the GGUF itself (dequantized by transformers), or the
+        folder / model id that --model named."""
+        gguf = self.gguf_path
+        if gguf:
+            return str(gguf.parent), {"gguf_file": gguf.name}
+        return str(self.hf_folder), {}
+
     def hf_model(self):
         """transformers' own Llama on the same weights, dtype and device (loaded once, on first use)."""
         if self._hf_model is None:
             from transformers import AutoModelForCausalLM
 
-            status(f"loading the transformers peer from {self.hf_folder}")
-            model = AutoModelForCausalLM.from_pretrained(str(self.hf_folder), dtype=self.engine.dtype)
+            source, extra = self.hf_source()
+            status(f"loading the transformers peer from {source}")
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=self.engine.dtype, **extra)
             self._hf_model = model.to(self.engine.device).eval()
         return self._hf_model
 

@@ -1,0 +1,144 @@
+"""Turning weights into the format asked for, one tensor at a time (never a whole float32 model in memory),
+and the `auto` choice: the fastest format measured on this machine that meets the quality bounds."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.weights.formats import QuantizedWeight, check_format, quantize_int4, quantize_int8
+from engine.weights.linear import FloatLinear, Int4Linear, Int8Linear, WeightLinear, build_linear
+
+Weight = torch.Tensor | QuantizedWeight
+HEAD_NAMES = ("embed_tokens", "lm_head")
+CHOICE_FILE = "weight-format-choice.json"
+
+
+def is_head(name: str) -> bool:
+    return any(h in name for h in HEAD_NAMES)
+
+
+def dense(weight: Weight) -> torch.Tensor:
+    return weight.dequantize() if isinstance(weight, QuantizedWeight) else weight.float()
+
+
+def to_format(weight: Weight, fmt: str, name: str = "") -> Weight:
+    """One weight in `fmt`. Norms (1-D) stay float32. Tensors the source already holds in the asked format keep
+    their integers (GGUF Q4_x stays int4, Q8_0 stays int8). In int4 the embedding and head are int8: they are
+    a fifth of a small model's weights and the most sensitive to rounding (llama.cpp keeps them at 6-8 bits)."""
+    check_format(fmt)
+    if not isinstance(weight, QuantizedWeight) and weight.dim() < 2:
+        return weight.float()
+    if fmt == "float32":
+        return dense(weight)
+    if fmt == "bfloat16":
+        return dense(weight).to(torch.bfloat16)
+    bits = 8 if fmt == "int8" or is_head(name) else 4
+    keeps = {bits, 4} if fmt == "int4" and is_head(name) else {bits}
+    if isinstance(weight, QuantizedWeight) and weight.bits in keeps:
+        return per_channel(weight) if weight.bits == 8 else weight
+    return quantize_int8(dense(weight)) if bits == 8 else quantize_int4(dense(weight))
+
+
+def per_channel(weight: QuantizedWeight) -> QuantizedWeight:
+    """int8 with one scale per output channel. torch's int8 kernel takes only per-channel scales, and one call
+    per group of 32 (GGUF's Q8_0 as stored) measured 2x slower on the default model's head, so grouped int8
+    is requantized once at load (the disk cache keeps the file's own integers)."""
+    if weight.scales.shape[1] == 1:
+        return weight
+    return quantize_int8(weight.dequantize())
+
+
+def module_weight(module: WeightLinear) -> Weight:
+    """What a projection module holds, as a loader would hand it over."""
+    if isinstance(module, FloatLinear):
+        return module.weight
+    if isinstance(module, Int8Linear):
+        return module.quantized()
+    assert isinstance(module, Int4Linear)
+    return QuantizedWeight.from_codes(module.codes(), module.scales, module.minimums)
+
+
+def apply_format(model: nn.Module, fmt: str) -> None:
+    """Convert every projection of a built model to `fmt`, one at a time (a tied head is converted once)."""
+    for name, module in model.projections().items():
+        target = to_format(module_weight(module), fmt, name)
+        if target is not module_weight(module):
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, build_linear(target))
+    if model.config.tie_word_embeddings:
+        model.embed_tokens.table = model.lm_head
+
+
+# ---- auto
+def resolve_auto(device: torch.device, shape: tuple[int, int], cache_dir: Path | None) -> str:
+    """The format `auto` stands for on this machine: on CUDA bfloat16 (native half precision; the int kernels
+    are not verified on a GPU here), on CPU the fastest decode among the formats that pass the quality tests,
+    measured once on the model's largest per-layer projection shape and remembered per CPU, torch and threads."""
+    if device.type != "cpu":
+        return "bfloat16"
+    key = f"{platform.processor() or platform.machine()}|{_cpu_model()}|torch {torch.__version__}|" \
+          f"threads {torch.get_num_threads()}|{shape[0]}x{shape[1]}"
+    remembered = _read_choices(cache_dir)
+    if key in remembered:
+        return remembered[key]["choice"]
+    timings = measure_decode_formats(shape)
+    choice = min(timings, key=timings.get)
+    remembered[key] = {"choice": choice, "decode_us": timings}
+    _write_choices(cache_dir, remembered)
+    return choice
+
+
+def measure_decode_formats(shape: tuple[int, int], repeats: int = 30) -> dict[str, float]:
+    """Median microseconds of one decode-row product of a random [N, K] weight in each format."""
+    n, k = shape
+    w = torch.randn(n, k) * 0.02
+    x = torch.randn(1, k)
+    timings = {}
+    for fmt in ("float32", "bfloat16", "int8", "int4"):
+        module = build_linear(to_format(w, fmt))
+        samples = []
+        for i in range(repeats + 3):
+            start = time.perf_counter()
+            module(x)
+            if i >= 3:
+                samples.append(time.perf_counter() - start)
+        timings[fmt] = round(sorted(samples)[len(samples) // 2] * 1e6, 1)
+    return timings
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown cpu"
+
+
+def _read_choices(cache_dir: Path | None) -> dict:
+    if cache_dir is None:
+        return {}
+    try:
+        data = json.loads((cache_dir / CHOICE_FILE).read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_choices(cache_dir: Path | None, choices: dict) -> None:
+    if cache_dir is None:
+        return
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = cache_dir / f".{CHOICE_FILE}.tmp"
+        tmp.write_text(json.dumps(choices, indent=1))
+        tmp.replace(cache_dir / CHOICE_FILE)
+    except OSError:
+        pass  # remembering is an optimisation

@@ -1,0 +1,211 @@
+"""Projection modules, one per weight format. Each picks its kernel per phase:
+
+- decode (a few rows: one token, or a speculative verify step): a weight-only kernel that reads the small
+  weights directly (torch's `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu`, bfloat16 activations);
+- prefill (many rows): the layer's weights dequantized once to float32 for this call, then a float32 matmul,
+  which on CPU is several times faster for many rows than any weight-only kernel we measured.
+
+Every module also serves embedding rows (`rows`), so a tied embedding shares the head's storage.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.weights.formats import QuantizedWeight
+
+DECODE_ROWS = 16  # up to this many rows go through the decode kernel
+
+
+class WeightLinear(nn.Module):
+    """y = x W^T for W: [N, K] stored in some format. x: [..., K] -> [..., N] in x's dtype (float32)."""
+
+    format_name = "float32"
+    kernel_name = "torch.mm (float32)"
+
+    def __init__(self, out_features: int, in_features: int):
+        super().__init__()
+        self.out_features, self.in_features = out_features, in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)  # [M, K]
+        out = self.decode(flat) if flat.shape[0] <= DECODE_ROWS else self.prefill(flat)
+        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        return self.prefill(x)
+
+    def prefill(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dense(x.dtype))
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole weight [N, K] in dtype."""
+        raise NotImplementedError
+
+    def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Embedding lookup: rows of W. index: [...] -> [..., K]."""
+        return self.dense(dtype)[index]
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(t.nbytes for t in self.buffers())
+
+
+class FloatLinear(WeightLinear):
+    """float32 (or bfloat16) weights; bfloat16 decodes with bfloat16 activations and prefills in float32."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__(*weight.shape)
+        self.register_buffer("weight", weight)
+        self.format_name = str(weight.dtype).removeprefix("torch.")
+        self.kernel_name = f"torch.mm ({self.format_name})"
+
+    def decode(self, x):
+        return F.linear(x.to(self.weight.dtype), self.weight)
+
+    def dense(self, dtype):
+        return self.weight if self.weight.dtype == dtype else self.weight.to(dtype)
+
+    def rows(self, index, dtype):
+        return self.weight[index].to(dtype)
+
+
+class Int8Linear(WeightLinear):
+    """Symmetric int8 codes with one scale per output channel (one kernel call), or per group of K (from
+    GGUF's Q8_0: the same integers, one kernel call per group, summed)."""
+
+    format_name = "int8"
+
+    def __init__(self, q: QuantizedWeight):
+        super().__init__(*q.shape)
+        self.group_size = q.group_size
+        n, k = q.shape
+        groups = k // self.group_size
+        # codes: [G, N, g] so that each group is a contiguous [N, g] matrix for the kernel
+        self.register_buffer("codes", q.codes.view(n, groups, self.group_size).transpose(0, 1).contiguous())
+        self.register_buffer("scales", q.scales.t().contiguous())  # [G, N] float16
+        self.register_buffer("kernel_scales", self.scales.to(torch.bfloat16))  # [G, N], the activations' dtype
+        self.kernel_name = pick_int8_kernel(self)
+
+    def decode(self, x):
+        if self.kernel_name.startswith("dequantize"):
+            return self.prefill(x)
+        xb = x.to(torch.bfloat16)
+        if self.codes.shape[0] == 1:
+            return torch.ops.aten._weight_int8pack_mm(xb, self.codes[0], self.kernel_scales[0]).float()
+        out = None
+        for g in range(self.codes.shape[0]):  # one call per group of K; y = sum_g s_g * (q_g x_g)
+            part = torch.ops.aten._weight_int8pack_mm(xb[:, g * self.group_size:(g + 1) * self.group_size],
+                                                      self.codes[g], self.kernel_scales[g])
+            out = part.float() if out is None else out.add_(part)
+        return out
+
+    def dense(self, dtype):
+        return self.quantized().dequantize(dtype)
+
+    def rows(self, index, dtype):
+        codes = self.codes[:, index]  # [G, ..., g]
+        scales = self.scales[:, index].to(dtype)[..., None]
+        w = codes.to(dtype) * scales  # [G, ..., g]
+        return w.movedim(0, -2).flatten(-2)
+
+    def quantized(self) -> QuantizedWeight:
+        n, k = self.out_features, self.in_features
+        codes = self.codes.transpose(0, 1).reshape(n, k)
+        return QuantizedWeight(8, codes, self.scales.t().contiguous())
+
+
+class Int4Linear(WeightLinear):
+    """Asymmetric int4 in groups along K (w = code * scale + minimum), packed for torch's CPU int4 kernel.
+
+    Prefill dequantizes from the kernel's own packed layout when that layout is the one we know how to read
+    (checked against the codes at load); otherwise the plain codes are kept beside it.
+    """
+
+    format_name = "int4"
+
+    def __init__(self, q: QuantizedWeight):
+        super().__init__(*q.shape)
+        self.group_size = q.group_size
+        self.register_buffer("scales", q.scales)  # [N, G] float16
+        self.register_buffer("minimums", q.minimums)  # [N, G] float16
+        self.register_buffer("plain_codes", q.codes)  # [N, K/2] uint8, dropped when the packed layout reads back
+        self.register_buffer("packed", None)
+        self.register_buffer("scale_zero", None)
+        self.kernel_name = "dequantize + torch.mm"
+        if q.codes.device.type == "cpu":
+            self._pack_for_cpu_kernel(q)
+
+    def _pack_for_cpu_kernel(self, q: QuantizedWeight) -> None:
+        codes = q.unpacked_codes()  # [N, K] uint8
+        try:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+        except (RuntimeError, AttributeError):
+            return  # shape or build without the kernel: dequantize for every call
+        self.packed = packed
+        # the kernel computes (code - 8) * scale + zero, so zero = minimum + 8 * scale; [G, N, 2]
+        zero = q.minimums.float() + 8 * q.scales.float()
+        self.scale_zero = torch.stack([q.scales.float(), zero], -1).transpose(0, 1).to(torch.bfloat16).contiguous()
+        self.kernel_name = "aten._weight_int4pack_mm_for_cpu (bfloat16 activations)"
+        if torch.equal(unpack_cpu_int4pack(packed, *self.shape), codes):
+            self.plain_codes = None  # prefill reads the kernel's layout: no second copy
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
+
+    def decode(self, x):
+        if self.packed is None:
+            return self.prefill(x)
+        xb = x.to(torch.bfloat16)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, self.group_size, self.scale_zero).float()
+
+    def codes(self) -> torch.Tensor:
+        """-> [N, K] uint8 codes."""
+        if self.plain_codes is None:
+            return unpack_cpu_int4pack(self.packed, *self.shape)
+        return self.quantized_from(self.plain_codes).unpacked_codes()
+
+    def quantized_from(self, plain: torch.Tensor) -> QuantizedWeight:
+        return QuantizedWeight(4, plain, self.scales, self.minimums)
+
+    def dense(self, dtype):
+        n, k = self.shape
+        g = self.group_size
+        codes = self.codes().to(dtype).view(n, k // g, g)
+        return (codes * self.scales.to(dtype)[..., None] + self.minimums.to(dtype)[..., None]).view(n, k)
+
+    def rows(self, index, dtype):
+        return self.dense(dtype)[index]
+
+
+def unpack_cpu_int4pack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Codes [N, K] from torch's CPU int4 packing as observed for N a multiple of 64: rows in blocks of 64,
+    each block stored K-major with 32 rows a byte-row, low nibble rows 0-31, high nibble rows 32-63.
+    Returns a wrong answer (never raises) for other layouts; callers check it against the codes."""
+    if n % 64 or packed.numel() * 2 != n * k:
+        return torch.empty(0, dtype=torch.uint8)
+    blocks = packed.view(n // 64, k, 32)
+    both = torch.cat([blocks & 15, blocks >> 4], dim=-1)  # [N/64, K, 64]
+    return both.transpose(1, 2).reshape(n, k)
+
+
+def pick_int8_kernel(module: Int8Linear) -> str:
+    """The weight-only int8 kernel when this build and device run it correctly, else dequantize per call."""
+    x = torch.randn(1, module.in_features, dtype=torch.float32, device=module.codes.device)
+    module.kernel_name = "aten._weight_int8pack_mm (bfloat16 activations)"
+    try:
+        got = module.decode(x)
+    except (RuntimeError, NotImplementedError):
+        return "dequantize + torch.mm"
+    want = F.linear(x.to(torch.bfloat16).float(), module.dense(torch.float32))
+    close = torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()) + 1e-6)
+    return module.kernel_name if close else "dequantize + torch.mm"
+
+
+def build_linear(weight: torch.Tensor | QuantizedWeight) -> WeightLinear:
+    if isinstance(weight, QuantizedWeight):
+        return Int8Linear(weight) if weight.bits == 8 else Int4Linear(weight)
+    return FloatLinear(weight)

@@ -1,0 +1,101 @@
+"""Small real GGUF files for tests: the default model's tokenizer and chat template, a tiny Llama's weights in
+the block types asked for, quantized by gguf-py exactly as llama.cpp's converter would store them."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+
+from engine import loader
+from engine.config import ModelConfig
+from engine.model import random_hf_state_dict
+
+TINY_GGUF = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                 max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-5)
+LAYER_TENSORS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                 "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                 "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+                 "post_attention_layernorm": "ffn_norm"}
+
+
+def tiny_config(vocab_size: int, tied: bool = True) -> ModelConfig:
+    return ModelConfig(vocab_size=vocab_size, tie_word_embeddings=tied, **TINY_GGUF)
+
+
+def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to q/k rows (interleaves each head's two rotary halves)."""
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_name(hf: str) -> str:
+    hf = hf.removeprefix("model.")
+    fixed = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    if hf in fixed:
+        return fixed[hf]
+    _, layer, *rest = hf.split(".")
+    module, leaf = ".".join(rest[:-1]), rest[-1]
+    return f"blk.{layer}.{LAYER_TENSORS[module]}.{leaf}"
+
+
+# every block type kvscope reads in one small file: layer 0 in Q4_1 (the default model's type), layer 1 in
+# Q4_0 with its down projection in Q5_0 (a type that is dequantized and requantized), the embedding in Q8_0
+MIXED_TYPES = {"layers.0.": T.Q4_1, "layers.1.mlp.down_proj": T.Q5_0, "layers.1.": T.Q4_0, "embed_tokens": T.Q8_0}
+
+
+def block_type(name: str, types: dict[str, T]) -> T:
+    return next((kind for key, kind in types.items() if key in name), T.F32)
+
+
+def write_tiny_gguf(path: Path, types: dict[str, T] = MIXED_TYPES, tied: bool = True,
+                    seed: int = 0) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A 2-layer Llama GGUF with the default model's tokenizer; returns the path and the float weights written
+    (Hugging Face names and row order) before quantization. Norms are always F32."""
+    fields = tokenizer_fields()
+    vocab = len(fields["tokenizer.ggml.tokens"][0])
+    config = tiny_config(vocab, tied)
+    state = random_hf_state_dict(config, seed=seed, std=0.05)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, (value, kind, sub) in fields.items():
+        writer.add_key_value(key, value, kind, sub_type=sub)
+    _add_hyperparameters(writer, config)
+    for name, tensor in state.items():
+        w = tensor.numpy().astype(np.float32)
+        if ".q_proj." in name or ".k_proj." in name:
+            w = llama_cpp_permute(w, config.num_heads if ".q_proj." in name else config.num_kv_heads)
+        kind = T.F32 if w.ndim == 1 else block_type(name, types)
+        if kind == T.F32:
+            writer.add_tensor(gguf_name(name), w)
+        else:
+            writer.add_tensor(gguf_name(name), gguf.quants.quantize(w, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path, state
+
+
+@cache
+def tokenizer_fields() -> dict[str, tuple]:
+    """The default model's tokenizer.* fields: key -> (value, type, element type). Parsed once."""
+    source = gguf.GGUFReader(str(loader.default_model_path()))
+    return {key: (field.contents(), field.types[0], field.types[1] if len(field.types) > 1 else None)
+            for key, field in source.fields.items() if key.startswith("tokenizer.")}
+
+
+def _add_hyperparameters(writer: gguf.GGUFWriter, c: ModelConfig) -> None:
+    writer.add_block_count(c.num_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_heads)
+    writer.add_head_count_kv(c.num_kv_heads)
+    writer.add_rope_dimension_count(c.head_dim)
+    writer.add_rope_freq_base(c.rope_theta)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_vocab_size(c.vocab_size)

@@ -1,0 +1,169 @@
+"""Weight formats: GGUF blocks load as the same integers, each format's kernels compute what its dequantized
+weights say, conversions go one tensor at a time, and bad files are refused with a clear message."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from transformers import LlamaForCausalLM
+
+from engine import loader
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.loader import ModelLoadError
+from engine.model import LlamaModel
+from engine.weights.convert import to_format
+from engine.weights.formats import QuantizedWeight, quantize_int4, quantize_int8
+from engine.weights.gguf_blocks import unpermute_rows
+from engine.weights.linear import DECODE_ROWS, Int4Linear, Int8Linear, build_linear
+from tests.gguf_files import gguf_name, write_tiny_gguf
+
+
+@pytest.fixture(autouse=True, scope="module")
+def private_cache(tmp_path_factory, default_weights):
+    """One conversion cache for this module's files, never the user's (each conversion takes seconds)."""
+    cache = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVSCOPE_CACHE_DIR", str(cache))
+        yield cache
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """(path, float weights written) of a 2-layer GGUF mixing Q4_1, Q4_0, Q5_0 and Q8_0 (see MIXED_TYPES)."""
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+def file_tensor_dequantized(path, hf: str, num_heads: int | None = None) -> torch.Tensor:
+    """gguf-py's own dequantization of one tensor, in PyTorch order and Hugging Face's row order."""
+    tensor = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == gguf_name(hf))
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    w = torch.from_numpy(np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type)).reshape(shape).copy())
+    return w[unpermute_rows(w.shape[0], num_heads)] if num_heads else w
+
+
+# ---- GGUF blocks -> formats without a float32 round-trip ------------------------------------------------
+
+
+@pytest.mark.parametrize("name, heads, bits", [
+    ("model.layers.0.mlp.down_proj.weight", None, 4),  # Q4_1
+    ("model.layers.0.self_attn.q_proj.weight", 4, 4),  # Q4_1, rows back in Hugging Face's rotary order
+    ("model.layers.1.self_attn.k_proj.weight", 2, 4),  # Q4_0
+    ("model.layers.1.mlp.gate_proj.weight", None, 4),  # Q4_0
+    ("model.embed_tokens.weight", None, 8),  # Q8_0
+])
+def test_gguf_blocks_load_as_the_same_integers(tiny_gguf, name, heads, bits):
+    path, _ = tiny_gguf
+    weight = loader.load_weights(str(path)).state_dict[name]
+    assert isinstance(weight, QuantizedWeight) and weight.bits == bits and weight.group_size == 32
+    assert weight.scales.dtype == torch.float16
+    assert torch.equal(weight.dequantize(), file_tensor_dequantized(path, name, heads))
+
+
+def test_a_tiny_gguf_gives_the_logits_transformers_computes_from_the_same_file(tiny_gguf, tokenizer):
+    path, _ = tiny_gguf
+    engine = Engine.load(str(path), EngineConfig(cache="paged", weights="float32"))
+    hf = LlamaForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    ids = tokenizer.encode("The KV cache keeps keys and values.", add_special_tokens=False)
+    engine.cache.prepare(1, ids)
+    ours = engine.step([1], [ids], all_logits=True)[0]
+    with torch.no_grad():
+        theirs = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_other_block_types_are_dequantized_one_tensor_at_a_time_and_requantized(tiny_gguf):
+    path, _ = tiny_gguf
+    name = "model.layers.1.mlp.down_proj.weight"  # Q5_0
+    state = loader.load_weights(str(path), weight_format="int4").state_dict
+    down = state[name]
+    assert isinstance(down, QuantizedWeight) and down.bits == 4
+    exact = file_tensor_dequantized(path, name).view(down.shape[0], -1, 32)
+    step = (exact.amax(-1) - exact.amin(-1)) / 15
+    assert ((down.dequantize().view(exact.shape) - exact).abs() <= step[..., None] * 0.51 + 1e-3).all()
+
+
+def test_the_disk_cache_keeps_the_quantized_form_and_is_read_on_the_second_start(tiny_gguf, monkeypatch):
+    path, _ = tiny_gguf
+    loader.load_weights(str(path))
+    cached = loader.gguf_cache_folder(path) / "model.safetensors"
+    assert cached.stat().st_size <= 1.3 * path.stat().st_size
+    conversions = []
+    monkeypatch.setattr(loader, "convert_gguf", lambda *args: conversions.append(args))
+    loader.load_weights(str(path), weight_format="int4")
+    assert conversions == []
+
+
+def test_a_tensor_type_that_cannot_be_read_is_named_in_the_error(tmp_path):
+    path = tmp_path / "odd.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    raw = np.zeros((4, 292), dtype=np.uint8)  # four rows of one Q8_K block each: a type gguf-py cannot read
+    writer.add_tensor("blk.0.ffn_down.weight", raw, raw_dtype=T.Q8_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError) as error:
+        loader.read_gguf_weights(path, {"num_attention_heads": 1})
+    assert "Q8_K" in str(error.value) and "blk.0.ffn_down.weight" in str(error.value)
+
+
+# ---- kernels: each format computes what its dequantized weights say -------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("rows", [1, DECODE_ROWS, 64])
+def test_each_format_multiplies_like_its_dequantized_weight(fmt, rows):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(128, 256, generator=g) * 0.05
+    module = build_linear(to_format(w, fmt, "model.layers.0.mlp.down_proj.weight"))
+    assert module.format_name == fmt
+    x = torch.randn(rows, 256, generator=g)
+    exact = x @ module.dense(torch.float32).T
+    got = module(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, 128)
+    # decode kernels take bfloat16 activations: ~3 significant digits
+    tolerance = 1e-5 if fmt == "float32" or (rows > DECODE_ROWS and fmt != "bfloat16") else 2e-2
+    torch.testing.assert_close(got, exact, atol=tolerance * float(exact.abs().max()), rtol=0)
+
+
+def test_int4_reads_its_codes_back_from_the_kernel_layout_without_a_second_copy():
+    w = torch.randn(192, 128) * 0.1
+    q = quantize_int4(w)
+    module = Int4Linear(q)
+    assert torch.equal(module.codes(), q.unpacked_codes())
+    if module.packed is not None and module.plain_codes is None:
+        groups = q.scales.numel()
+        # packed codes + float16 scales and minimums + the kernel's bfloat16 (scale, zero) pairs
+        assert module.resident_bytes == q.codes.nbytes + 4 * groups + 4 * groups
+
+
+def test_quantization_rounds_to_the_nearest_step():
+    w = torch.randn(64, 128)
+    for q, step in [(quantize_int8(w), w.abs().amax(1, keepdim=True) / 127),
+                    (quantize_int4(w), None)]:
+        error = (q.dequantize() - w).abs()
+        if step is None:
+            groups = w.view(64, 4, 32)
+            step = ((groups.amax(-1) - groups.amin(-1)) / 15).repeat_interleave(32, dim=1)
+        assert (error <= step * 0.5 + step * 2**-9 + 1e-6).all()
+
+
+def test_int8_embedding_rows_equal_the_dequantized_table():
+    w = torch.randn(100, 64)
+    module = Int8Linear(quantize_int8(w))
+    ids = torch.tensor([[0, 5, 99], [7, 7, 1]])
+    torch.testing.assert_close(module.rows(ids, torch.float32), module.dense(torch.float32)[ids])
+
+
+def test_a_model_converts_to_every_format_and_reports_what_it_holds(tiny_config, tokenizer):
+    sizes = {}
+    for fmt in ("float32", "bfloat16", "int8", "int4"):
+        engine = Engine(LlamaModel.random(tiny_config, seed=0), tokenizer, EngineConfig(weights=fmt))
+        assert engine.weight_format == fmt
+        sizes[fmt] = engine.weights_resident_bytes
+    assert sizes["float32"] > sizes["bfloat16"] > sizes["int8"] > sizes["int4"]
