@@ -12,7 +12,6 @@ import pytest
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 from engine import loader  # noqa: E402
-from engine.bench.common import real_text, write_tiny_model  # noqa: E402
 from engine.config import EngineConfig, ModelConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.model import LlamaModel  # noqa: E402
@@ -73,6 +72,8 @@ def tiny_engine_factory(tiny_config, tokenizer):
 @pytest.fixture(scope="session")
 def tiny_model_folder(tmp_path_factory, tokenizer) -> Path:
     """The tiny random Llama of `bench --tiny` as a Hugging Face folder with the real tokenizer (loads in ~0.5 s)."""
+    from engine.bench.common import write_tiny_model
+
     return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-random", tokenizer)
 
 
@@ -82,6 +83,8 @@ def small_vocab_model_folder(tmp_path_factory, tokenizer) -> Path:
     a whole model load (config, safetensors, tokenizer) in milliseconds, for tests that load many times."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+
+    from engine.bench.common import real_text, write_tiny_model
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
