@@ -49,17 +49,15 @@ def os_threads() -> int:
 
 # ---- closing the window mid-prefill, mid-decode, mid-load ------------------------------------------------------
 def hold_in_forward(engine, gate: CloseGate, phase: str):
-    """Hold the worker inside the first prefill forward, or inside the third decode forward."""
-    decode_steps = []
+    """Hold the worker inside the turn's first forward (its prefill, whatever the prefix cache already held), or
+    inside its fourth (the third decode step)."""
+    forwards = []
+    hold_at = 1 if phase == "prefill" else 4
 
-    def hook(_module, args):
-        new_tokens = args[0].shape[1]  # ids: [B, T]
-        if phase == "prefill" and new_tokens > 1:
+    def hook(_module, _args):
+        forwards.append(1)
+        if len(forwards) == hold_at:
             gate.hold()
-        elif phase == "decode" and new_tokens == 1:
-            decode_steps.append(1)
-            if len(decode_steps) == 3:
-                gate.hold()
 
     return engine.model.register_forward_pre_hook(hook).remove
 
