@@ -141,7 +141,8 @@ def about_html(info: ModelInfo | None) -> str:
             f"({full} for a full {info.max_context:,}-token context).")
     return head + (
         f"<p><b>Model:</b> {escape(info.model_name)}<br><b>Device:</b> {escape(info.device)} "
-        f"({escape(info.dtype_name)})<br><b>Context:</b> {info.max_context:,} tokens<br>"
+        f"({escape(info.dtype_name)} activations)<br><b>Weights:</b> {escape(info.weights_text)}<br>"
+        f"<b>Context:</b> {info.max_context:,} tokens<br>"
         f"<b>Cache:</b> {escape(info.cache_strategy)}{blocks}; the history is {reuse}</p>"
         f"<p><b>KV bytes per token</b> = 2 × bytes/element × layers × KV heads × head_dim<br>"
         f"= {escape(kv.formula)} ({human_bytes(kv.bytes_per_token)})<br>{escape(held)}</p>"

@@ -18,6 +18,7 @@ class EngineClient(QObject):
     _edit = Signal(int, str, object)
     _set_cache = Signal(str, int)
     _set_prefix_reuse = Signal(bool)
+    _set_weights = Signal(str)
     _set_kv_budget = Signal(object)
     _new_conversation = Signal(object)
     _open_conversation = Signal(object)
@@ -40,6 +41,7 @@ class EngineClient(QObject):
         pairs = ((self._load, w.load), (self._use_engine, w.use_engine), (self._generate, w.generate),
                  (self._regenerate, w.regenerate), (self._edit, w.edit_and_resend), (self._set_cache, w.set_cache),
                  (self._set_prefix_reuse, w.set_prefix_reuse), (self._set_kv_budget, w.set_kv_budget),
+                 (self._set_weights, w.set_weights),
                  (self._new_conversation, w.new_conversation), (self._open_conversation, w.open_conversation),
                  (self._set_system_prompt, w.set_system_prompt))
         for signal, slot in pairs:
@@ -79,6 +81,10 @@ class EngineClient(QObject):
     def set_prefix_reuse(self, on: bool) -> None:
         """Applied between turns, like a change of strategy."""
         self._set_prefix_reuse.emit(on)
+
+    def set_weights(self, fmt: str) -> None:
+        """The weight format: the model is loaded again in it (between turns); the conversation stays."""
+        self._set_weights.emit(fmt)
 
     def set_kv_budget(self, mib: float | None) -> None:
         """The most the paged pool grows to (None: one context); applied between turns, as a new cache."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from html import escape
 
-from app.model_info import ModelInfo, kv_bytes
+from app.model_info import ModelInfo, kv_bytes, kv_outgrows_weights_at
 from app.style import TEXT_MUTED, human_bytes, strategy_color
 
 INT8_BYTES = 1
@@ -14,7 +14,7 @@ def figure_rows(info: ModelInfo | None, kv, last_done=None) -> list[tuple[str, s
     """kv: the latest KVStats (or None); last_done: the last turn's DoneEvent (or None)."""
     if info is None:
         return [("Model", "loading…", "")]
-    rows = [_bytes_per_token(info), _gqa(info), _int8(info)]
+    rows = [_bytes_per_token(info), _weights_vs_kv(info), _gqa(info), _int8(info)]
     if kv is not None:
         rows += [_utilisation(kv), _memory_now(kv)]
     rows.append(_prefix_hits(last_done))
@@ -42,6 +42,17 @@ def _bytes_per_token(info: ModelInfo) -> tuple[str, str, str]:
         return ("KV bytes per token", "nothing held (none)",
                 f"none keeps no keys or values; a cache would need {kv.formula} ({human_bytes(kv.bytes_per_token)})")
     return ("KV bytes per token", f"{human_bytes(kv.bytes_per_token)} / token ({kv.strategy})", kv.formula)
+
+
+def _weights_vs_kv(info: ModelInfo) -> tuple[str, str, str]:
+    """The article's point: past this context, the KV cache holds more bytes than the model's weights."""
+    at = kv_outgrows_weights_at(info)
+    weights = f"{info.weight_format} weights: {human_bytes(info.weights_bytes)}"
+    if at is None:
+        return ("KV cache vs weights", "no KV held (none)", f"{weights}; none keeps no keys or values")
+    beyond = "" if at <= info.max_context else f" (beyond this model's {info.max_context:,}-token context)"
+    return ("KV cache outgrows the weights at", f"{at:,} tokens{beyond}",
+            f"{weights}; KV {human_bytes(kv_bytes(info).bytes_per_token)} per token ({info.cache_strategy})")
 
 
 def _gqa(info: ModelInfo) -> tuple[str, str, str]:

@@ -41,11 +41,12 @@ MIN_SIZE = (740, 480)  # the chat's and the side panel's minimum widths side by 
 class MainWindow(QMainWindow):
     def __init__(self, settings: AppSettings | None = None, engine=None, model: str | None = None,
                  cache: str | None = None, block_size: int | None = None, prefix_reuse: bool | None = None,
-                 kv_budget: float | None = None):
+                 kv_budget: float | None = None, weights: str | None = None):
         super().__init__()
         self.settings = settings or AppSettings()
         self.prefix_reuse = self.settings.prefix_reuse if prefix_reuse is None else prefix_reuse
         self.kv_budget = self.settings.kv_budget_mib if kv_budget is None else kv_budget  # MiB; None: one context
+        self.weights = weights or self.settings.weights  # the weight format (Settings → Weights)
         self.info = None
         self.generating = False
         self.loading = False
@@ -111,6 +112,8 @@ class MainWindow(QMainWindow):
         m.quit.triggered.connect(self.close)
         m.strategy_group.triggered.connect(lambda _action: self.set_cache(*m.chosen_cache()))
         m.block_size_group.triggered.connect(lambda _action: self.set_cache(*m.chosen_cache()))
+        m.weight_formats[self.weights].setChecked(True)
+        m.weights_group.triggered.connect(lambda action: self.set_weights(action.data()))
         m.prefix_reuse.setChecked(self.prefix_reuse)
         m.prefix_reuse.triggered.connect(self.set_prefix_reuse)
         m.sampling.triggered.connect(a.edit_sampling)
@@ -136,6 +139,7 @@ class MainWindow(QMainWindow):
         s.conversation.connect(self._on_conversation)
         self.client.set_prefix_reuse(self.prefix_reuse)  # before the model loads: its cache starts that way
         self.client.set_kv_budget(self.kv_budget)
+        self.client.set_weights(self.weights)  # before the model loads: it loads in this format
 
     # --- chat actions ---------------------------------------------------------------------------------------------
     def send(self, text: str) -> None:
@@ -210,6 +214,18 @@ class MainWindow(QMainWindow):
         self.client.set_kv_budget(mib)
         what = f"{mib:g} MiB" if mib else "one context's worth"
         self.status.showMessage(f"KV budget: {what} (a new pool; the next turn prefills the history)", 5000)
+
+    def set_weights(self, fmt: str) -> None:
+        """Reload the model with its weights in `fmt`; the conversation stays and re-prefills on the next turn."""
+        self.weights = self.settings.weights = fmt
+        if self.info is None or self.info.weight_format == fmt:
+            self.client.set_weights(fmt)  # applies to the load under way, or changes nothing
+            return
+        self.loading, self._pending_model = True, "keep"
+        self.chat.set_input_enabled(False, f"Loading the weights as {fmt}…")
+        self.menus.set_busy(True)
+        self.status.show_progress(f"Loading the weights as {fmt}…", -1)
+        self.client.set_weights(fmt)
 
     def set_prefix_reuse(self, on: bool) -> None:
         self.prefix_reuse = self.settings.prefix_reuse = on
@@ -332,7 +348,7 @@ def run_gui(args) -> int:
     window = MainWindow(model=getattr(args, "model", None), cache=getattr(args, "cache", None),
                         block_size=getattr(args, "block_size", None),
                         prefix_reuse={"on": True, "off": False}.get(getattr(args, "prefix_reuse", None)),
-                        kv_budget=getattr(args, "kv_budget", None))
+                        kv_budget=getattr(args, "kv_budget", None), weights=getattr(args, "weights", None))
     window.show()
     prompts = getattr(args, "demo", None)
     if prompts:

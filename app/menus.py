@@ -7,7 +7,15 @@ from PySide6.QtWidgets import QMainWindow, QMenu
 
 from app.dialogs import DraftTokensDialog, KVBudgetDialog
 from app.settings import MENU_BLOCK_SIZES
-from engine.config import CACHE_STRATEGIES
+from engine.config import CACHE_STRATEGIES, WEIGHT_FORMATS
+
+WEIGHT_HINTS = {
+    "auto": "the fastest format measured on this machine that meets the quality bounds",
+    "float32": "4 bytes per weight: the reference",
+    "bfloat16": "2 bytes per weight",
+    "int8": "1 byte per weight, one scale per output channel",
+    "int4": "half a byte per weight in groups of 32 (a GGUF's own Q4 blocks); embedding and head in int8",
+}
 
 STRATEGY_HINTS = {
     "none": "no cache: recompute the whole context every step",
@@ -73,6 +81,15 @@ class Menus:
             action.setData(size)
             self.block_size_group.addAction(action)
             self.block_sizes[size] = action
+        weights_menu = menu.addMenu("&Weights")
+        weights_menu.setToolTipsVisible(True)
+        self.weights_group = QActionGroup(self.window, exclusive=True)
+        self.weight_formats: dict[str, QAction] = {}
+        for name in WEIGHT_FORMATS:
+            action = self._action(weights_menu, name, checkable=True, tip=WEIGHT_HINTS[name] + " (reloads the model)")
+            action.setData(name)
+            self.weights_group.addAction(action)
+            self.weight_formats[name] = action
         self.prefix_reuse = self._action(menu, "&Keep the cache between turns", checkable=True, tip=PREFIX_REUSE_TIP)
         self.kv_budget = self._action(menu, "KV b&udget…", tip="the most the paged pool grows to, in MiB")
         self.kv_budget.triggered.connect(self._ask_kv_budget)
@@ -85,7 +102,7 @@ class Menus:
         self.model_gguf = self._action(model_menu, "GGUF file…")
         self.model_folder = self._action(model_menu, "Hugging Face model folder…")
         self.model_default = self._action(model_menu, "Default model (SmolLM2-135M-Instruct)")
-        self.local_only = (strategy_menu, block_menu, model_menu)  # disabled in remote mode (set_remote)
+        self.local_only = (strategy_menu, block_menu, weights_menu, model_menu)  # disabled in remote mode (set_remote)
         menu.setToolTipsVisible(True)
         self.backend = self._action(menu, "Bac&kend…", tip="the local engine, or an OpenAI-compatible server")
 

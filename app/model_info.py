@@ -27,6 +27,9 @@ class ModelInfo:
     block_size: int
     kv_bytes_per_element: float = 0.0  # the active strategy's, scales included; 0: the dtype's
     prefix_reuse: bool = True  # the cache is kept between turns
+    weight_format: str = "float32"  # how the projections are stored (int4, int8, bfloat16, float32)
+    weights_bytes: int = 0  # the weights as they sit in memory
+    weights_file_bytes: int = 0  # the file(s) they were read from (0: not read from a file)
 
     @classmethod
     def from_engine(cls, engine) -> ModelInfo:
@@ -36,8 +39,15 @@ class ModelInfo:
             max_context=engine.max_context, num_layers=mc.num_layers, num_heads=mc.num_heads,
             num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, cache_strategy=engine.cache_strategy,
             block_size=engine.block_size, kv_bytes_per_element=strategy_bytes_per_element(engine),
-            prefix_reuse=engine.config.prefix_reuse,
+            prefix_reuse=engine.config.prefix_reuse, weight_format=engine.weight_format,
+            weights_bytes=engine.weights_resident_bytes, weights_file_bytes=engine.weights_file_bytes,
         )
+
+    @property
+    def weights_text(self) -> str:
+        """'int4 weights, 110 MB' (and the file's size when it came from one)."""
+        text = f"{self.weight_format} weights, {self.weights_bytes / 1e6:,.0f} MB"
+        return text + (f" (file {self.weights_file_bytes / 1e6:,.0f} MB)" if self.weights_file_bytes else "")
 
     @property
     def dtype_bytes(self) -> int:
@@ -79,6 +89,15 @@ class KVBytes:
     bytes_per_token: float
     formula: str  # "2 × 4 B/element × 30 layers × 3 KV heads × 64 head_dim = 46,080 bytes/token"
     holds_kv: bool  # False for 'none': the formula is then what a cache would need
+
+
+def kv_outgrows_weights_at(info: ModelInfo) -> int | None:
+    """The context length at which the KV cache (the active strategy's bytes per token) holds more bytes than
+    the weights; None when nothing is held ('none') or the weights are unknown."""
+    kv = kv_bytes(info)
+    if not kv.holds_kv or not info.weights_bytes:
+        return None
+    return int(info.weights_bytes // kv.bytes_per_token) + 1
 
 
 def kv_bytes(info: ModelInfo) -> KVBytes:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from PySide6.QtCore import QByteArray, QSettings
 
 from app.style import default_system_prompt
-from engine.config import BLOCK_SIZES, CACHE_STRATEGIES, SamplingParams, SpeculativeConfig
+from engine.config import BLOCK_SIZES, CACHE_STRATEGIES, WEIGHT_FORMATS, SamplingParams, SpeculativeConfig
 
 ORGANIZATION = "kvscope"
 APPLICATION = "kvscope"
@@ -46,6 +46,16 @@ class AppSettings:
     @block_size.setter
     def block_size(self, value: int) -> None:
         self.q.setValue("engine/block_size", int(value))
+
+    @property
+    def weights(self) -> str:
+        """The weight format (auto: the fastest measured on this machine that meets the quality bounds)."""
+        value = self._get("engine/weights", "auto", str)
+        return value if value in WEIGHT_FORMATS else "auto"
+
+    @weights.setter
+    def weights(self, value: str) -> None:
+        self.q.setValue("engine/weights", value)
 
     @property
     def prefix_reuse(self) -> bool:

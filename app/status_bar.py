@@ -63,7 +63,7 @@ class StatusBar(QStatusBar):
         self.max_context = info.max_context
         color = strategy_color(info.cache_strategy)
         block = f" · {info.block_size}" if info.cache_strategy.startswith("paged") else ""
-        self._set(model=info.model_name, device=f"{info.device} · {info.dtype_name}",
+        self._set(model=info.model_name, device=f"{info.device} · {info.weights_text}",
                   strategy=f'<span style="color:{color};">■</span> {info.cache_strategy}{block}')
 
     def start_reply(self) -> None:

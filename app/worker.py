@@ -36,6 +36,8 @@ class EngineWorker(QObject):
         self.conv = Conversation(system_prompt=system_prompt)
         self._cache, self._block_size = cache, block_size
         self._prefix_reuse = True  # keep the conversation's cache between turns (Settings)
+        self._weights = "auto"  # the weight format (Settings)
+        self._model: str | None = None  # what load() last loaded (None: the default model)
         self._kv_budget: float | None = None  # MiB the paged pool may grow to (Settings; None: one context)
         self._cancel_upto = 0  # generation requests with an id <= this are cancelled
         self._closing = False
@@ -64,12 +66,30 @@ class EngineWorker(QObject):
 
         try:
             config = EngineConfig(cache=self._cache, block_size=self._block_size, prefix_reuse=self._prefix_reuse,
-                                  kv_budget_mib=self._kv_budget)
+                                  kv_budget_mib=self._kv_budget, weights=self._weights)
             engine = Engine.load(model, config, progress=self._progress)
         except Exception as e:  # noqa: BLE001 - every failure is reported; the old model stays loaded
             self.signals.error.emit(f"Could not load the model {model or '(default)'}: {e}")
             return
+        self._model = model
         self.use_engine(engine)
+
+    @Slot(str)
+    def set_weights(self, fmt: str) -> None:
+        """Load the model again in `fmt`; the conversation stays and its next turn prefills into the new cache.
+        An engine handed over ready-made (tests, embedding) converts its weights in place instead."""
+        self._weights = fmt
+        if self.engine is None or self.engine.config.weights == fmt:
+            return
+        if self._model is not None or getattr(self.engine, "weights_file_bytes", 0):
+            self.load(self._model)
+            return
+        try:
+            self.engine.set_weights(fmt)
+        except Exception as e:  # noqa: BLE001 - reported; the engine keeps its weights
+            self.signals.error.emit(f"Could not convert the weights to {fmt}: {e}")
+            return
+        self.signals.loaded.emit(ModelInfo.from_engine(self.engine))
 
     @Slot(object)
     def use_engine(self, engine) -> None:

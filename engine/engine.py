@@ -146,6 +146,13 @@ class Engine:
         self.cache = make_cache(new_config.cache, self, new_config.block_size, new_config.pool_tokens)
         self.config = new_config
 
+    def set_weights(self, fmt: str) -> None:
+        """Convert the loaded weights in place (Engine.load reads them from the file instead, when there is one);
+        the cache is rebuilt: keys and values computed with the old weights are stale."""
+        self.weight_format = self._apply_weight_format(fmt)
+        self.config = EngineConfig(**{**self.config.__dict__, "weights": self.weight_format})
+        self.set_cache(self.config.cache)
+
     def set_kv_budget(self, mib: float | None) -> None:
         """The most a paged pool may grow to (None: one context's worth); a new cache, as set_cache builds."""
         new_config = EngineConfig(**{**self.config.__dict__, "kv_budget_mib": mib})

@@ -41,17 +41,8 @@ def to_format(weight: Weight, fmt: str, name: str = "") -> Weight:
     bits = 8 if fmt == "int8" or is_head(name) else 4
     keeps = {bits, 4} if fmt == "int4" and is_head(name) else {bits}
     if isinstance(weight, QuantizedWeight) and weight.bits in keeps:
-        return per_channel(weight) if weight.bits == 8 else weight
+        return weight  # a file's Q8_0 stays grouped: requantized per channel, the head alone cost 2.5x the KL
     return quantize_int8(dense(weight)) if bits == 8 else quantize_int4(dense(weight))
-
-
-def per_channel(weight: QuantizedWeight) -> QuantizedWeight:
-    """int8 with one scale per output channel. torch's int8 kernel takes only per-channel scales, and one call
-    per group of 32 (GGUF's Q8_0 as stored) measured 2x slower on the default model's head, so grouped int8
-    is requantized once at load (the disk cache keeps the file's own integers)."""
-    if weight.scales.shape[1] == 1:
-        return weight
-    return quantize_int8(weight.dequantize())
 
 
 def module_weight(module: WeightLinear) -> Weight:

@@ -86,7 +86,10 @@ class Int8Linear(WeightLinear):
         # codes: [G, N, g] so that each group is a contiguous [N, g] matrix for the kernel
         self.register_buffer("codes", q.codes.view(n, groups, self.group_size).transpose(0, 1).contiguous())
         self.register_buffer("scales", q.scales.t().contiguous())  # [G, N] float16
-        self.register_buffer("kernel_scales", self.scales.to(torch.bfloat16))  # [G, N], the activations' dtype
+        # the kernel multiplies by a bfloat16 scale and rounds its output to bfloat16; the float32 scale is applied
+        # after it instead, so each channel's scale keeps its float16 precision: [G, N]
+        self.register_buffer("kernel_scales", torch.ones_like(self.scales, dtype=torch.bfloat16))
+        self.register_buffer("float_scales", self.scales.float())
         self.kernel_name = pick_int8_kernel(self)
 
     def decode(self, x):
@@ -94,12 +97,12 @@ class Int8Linear(WeightLinear):
             return self.prefill(x)
         xb = x.to(torch.bfloat16)
         if self.codes.shape[0] == 1:
-            return torch.ops.aten._weight_int8pack_mm(xb, self.codes[0], self.kernel_scales[0]).float()
+            return torch.ops.aten._weight_int8pack_mm(xb, self.codes[0], self.kernel_scales[0]).float() * self.float_scales[0]
         out = None
         for g in range(self.codes.shape[0]):  # one call per group of K; y = sum_g s_g * (q_g x_g)
             part = torch.ops.aten._weight_int8pack_mm(xb[:, g * self.group_size:(g + 1) * self.group_size],
-                                                      self.codes[g], self.kernel_scales[g])
-            out = part.float() if out is None else out.add_(part)
+                                                      self.codes[g], self.kernel_scales[g]).float() * self.float_scales[g]
+            out = part if out is None else out.add_(part)
         return out
 
     def dense(self, dtype):
@@ -145,9 +148,12 @@ class Int4Linear(WeightLinear):
         except (RuntimeError, AttributeError):
             return  # shape or build without the kernel: dequantize for every call
         self.packed = packed
-        # the kernel computes (code - 8) * scale + zero, so zero = minimum + 8 * scale; [G, N, 2]
-        zero = q.minimums.float() + 8 * q.scales.float()
-        self.scale_zero = torch.stack([q.scales.float(), zero], -1).transpose(0, 1).to(torch.bfloat16).contiguous()
+        # the kernel computes (code - 8) * scale + zero with bfloat16 scale and zero; a bfloat16 zero would shift
+        # every weight of a group by up to 2^-9 of the group's minimum, so the kernel gets zero = 8 * scale (exact:
+        # it computes code * scale) and the minimums are added in float32: y += (x summed per group) @ minimums^T
+        scale = q.scales.to(torch.bfloat16)
+        self.scale_zero = torch.stack([scale, 8 * scale], -1).transpose(0, 1).contiguous()  # [G, N, 2]
+        self.register_buffer("float_minimums", q.minimums.float().t().contiguous())  # [G, N]
         self.kernel_name = "aten._weight_int4pack_mm_for_cpu (bfloat16 activations)"
         if torch.equal(unpack_cpu_int4pack(packed, *self.shape), codes):
             self.plain_codes = None  # prefill reads the kernel's layout: no second copy
@@ -160,7 +166,9 @@ class Int4Linear(WeightLinear):
         if self.packed is None:
             return self.prefill(x)
         xb = x.to(torch.bfloat16)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, self.group_size, self.scale_zero).float()
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, self.group_size, self.scale_zero).float()
+        group_sums = x.view(x.shape[0], -1, self.group_size).sum(-1)  # [M, G]
+        return out.addmm_(group_sums, self.float_minimums)
 
     def codes(self) -> torch.Tensor:
         """-> [N, K] uint8 codes."""
