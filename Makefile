@@ -5,7 +5,7 @@ VENV := .venv
 STAMP := $(VENV)/.kvscope-installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup run test lint bench peers clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,10 @@ lint: setup
 
 bench: setup
 	$(VENV)/bin/python main.py bench --out bench-out
+
+# Optional peers for the benchmarks (not needed by run or test): llama.cpp builds from source (~10 minutes).
+peers: setup
+	$(VENV)/bin/python -m pip install -q llama-cpp-python
 
 clean:
 	rm -rf $(VENV)

@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tiny", action="store_true",
                        help="a smoke run: a tiny random model, --quick sizes (every code path; numbers mean nothing)")
     bench.add_argument("--model", help="a .gguf file or a Hugging Face model folder")
+    bench.add_argument("--weights", choices=WEIGHT_FORMATS, default=None,
+                       help="the weight format of the engine the benchmarks share (default auto); decode and "
+                            "prefill also measure the other formats")
     add_prefix_reuse_option(bench)
     add_kv_budget_option(bench)
 

@@ -161,6 +161,14 @@ class LlamaModel(nn.Module):
         own = sum(m.resident_bytes for m in self.projections().values())
         return own + sum(p.nbytes for p in self.parameters())
 
+    @property
+    def decode_weight_bytes(self) -> int:
+        """Bytes of weights a decode step reads: every projection once (an untied embedding: one row)."""
+        table = self.embed_tokens.table
+        untied_rows = table.resident_bytes * (table.out_features - 1) // table.out_features \
+            if table is not self.lm_head else 0
+        return self.resident_bytes - untied_rows
+
     def set_activation_dtype(self, dtype: torch.dtype) -> None:
         """Norms and embeddings produce `dtype`; the projections keep their own storage format."""
         for module in self.modules():

@@ -38,6 +38,7 @@ class BenchContext:
     quick: bool
     tiny: bool = False  # a tiny random model (smoke runs): every code path runs, the numbers mean nothing
     _hf_model: object | None = field(default=None, repr=False)
+    _engines: dict = field(default_factory=dict, repr=False)  # weight format -> Engine
     _text_ids: list[int] | None = field(default=None, repr=False)
     _scratch: tempfile.TemporaryDirectory | None = field(default=None, repr=False)  # holds the tiny model
 
@@ -56,6 +57,16 @@ class BenchContext:
             return loader.gguf_cache_folder(gguf)
         path = Path(self.model_arg).expanduser()
         return path if path.exists() else self.model_arg
+
+    def engine_with_weights(self, fmt: str) -> Engine:
+        """The same model loaded with its weights in `fmt` (the shared engine when that is its format)."""
+        if fmt == self.engine.weight_format:
+            return self.engine
+        if fmt not in self._engines:
+            status(f"loading the engine with {fmt} weights")
+            config = EngineConfig(cache="paged", pool_tokens=1024, weights=fmt)
+            self._engines[fmt] = Engine.load(self.model_arg, config)
+        return self._engines[fmt]
 
     def hf_source(self) -> tuple[str, dict]:
         """What transformers loads the same weights from: the GGUF itself (dequantized by transformers), or the
@@ -88,7 +99,7 @@ class BenchContext:
         return self._text_ids
 
 
-def load_context(model: str | None, quick: bool, tiny: bool = False) -> BenchContext:
+def load_context(model: str | None, quick: bool, tiny: bool = False, weights: str | None = None) -> BenchContext:
     """The engine every benchmark shares. tiny: a random tiny Llama written as a Hugging Face folder (the real
     loading path, the real tokenizer, transformers loads it as a peer) and quick sizes: a smoke run."""
     scratch = None
@@ -97,7 +108,7 @@ def load_context(model: str | None, quick: bool, tiny: bool = False) -> BenchCon
         model = str(write_tiny_model(Path(scratch.name) / "tiny-random", tiny_tokenizer(model)))
         status(f"a tiny random model in {model} (--tiny: the numbers mean nothing)")
     status("loading the engine")
-    config = EngineConfig(cache="paged", pool_tokens=1024)  # each benchmark builds the caches it measures
+    config = EngineConfig(cache="paged", pool_tokens=1024, weights=weights)  # benchmarks build their own caches
     engine = Engine.load(model, config, progress=lambda message, _fraction: status(message))
     return BenchContext(engine, model, quick or tiny, tiny, _scratch=scratch)
 

@@ -12,7 +12,7 @@ CONTEXTS = (16, 512, 2048, 4096, 8192)
 QUICK_CONTEXTS = (16, 512, 2048)
 STEPS, QUICK_STEPS = 32, 16
 CACHED_STRATEGIES = ("contiguous", "paged", "paged-int8")
-BF16_PAGED = "paged, bf16 decode weights"  # the engine's optional half-precision weight copy for decode
+WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "int4")  # 'paged' with each format beside the auto one
 NONE_CONTEXTS, NONE_STEPS = (16, 512), 6  # 'none' reruns the whole context per token: see the recompute bench
 
 METHOD = (
@@ -59,22 +59,44 @@ def make_peers(ctx: BenchContext, contexts: list[int], steps: int, pool_tokens: 
     runners = {"none": (peers.EnginePeer(e, "none", pool_tokens), none_contexts, NONE_STEPS)}
     for s in CACHED_STRATEGIES:
         runners[s] = (peers.EnginePeer(e, s, pool_tokens), contexts, steps)
-    if e.device.type == "cpu" and e.dtype == torch.float32:
-        runners[BF16_PAGED] = (peers.EnginePeer(e, "paged", pool_tokens, decode_dtype=torch.bfloat16), contexts, steps)
-    notes = [f"'none' only at contexts {none_contexts} with {NONE_STEPS} steps: each of its steps reruns the whole "
+    for fmt in WEIGHT_FORMATS:
+        if fmt != e.weight_format:
+            runners[weights_row(fmt)] = (peers.EnginePeer(ctx.engine_with_weights(fmt), "paged", pool_tokens),
+                                         contexts, steps)
+    notes = [f"the engine's strategies run with the auto weight format, which chose {e.weight_format} here; "
+             f"'paged, X weights' rows run the same cache with the other formats.",
+             f"'none' only at contexts {none_contexts} with {NONE_STEPS} steps: each of its steps reruns the whole "
              "context (the recompute benchmark measures it in full)."]
     others, more_notes = peers.external_peers(ctx, pool_tokens)
     runners.update({name: (peer, contexts, steps) for name, peer in others.items()})
     return runners, notes + more_notes
 
 
+def weights_row(fmt: str) -> str:
+    return f"paged, {fmt} weights"
+
+
 def kv_bytes_per_token(ctx: BenchContext) -> dict[str, float]:
-    """Bytes of keys and values per token each runner reads (paged-int8 measured: int8 plus its scales)."""
+    """Bytes of keys and values per token each runner reads (paged-int8 measured: int8 plus its scales;
+    llama.cpp: its default float16 cache)."""
     e = ctx.engine
     full = e.model_config.kv_bytes_per_token(torch.tensor([], dtype=e.dtype).element_size())
     int8 = make_cache(e, "paged-int8", block_size=16, pool_tokens=16)
     return {"none": full, "contiguous": full, "paged": full, "paged-int8": int8.bytes_per_block() / 16,
-            "transformers": full, BF16_PAGED: full}
+            "transformers": full, "llama.cpp": e.model_config.kv_bytes_per_token(2),
+            **{weights_row(f): full for f in WEIGHT_FORMATS}}
+
+
+def weight_bytes_read(ctx: BenchContext, name: str) -> int:
+    """Bytes of weights the runner's decode step reads, in the format it holds them."""
+    for fmt in WEIGHT_FORMATS:
+        if name == weights_row(fmt):
+            return roofline.weight_bytes(ctx.engine_with_weights(fmt).model)
+    if name == "llama.cpp" and ctx.gguf_path is not None:
+        return ctx.gguf_path.stat().st_size  # its own blocks, read once a step
+    if name.startswith("transformers"):
+        return roofline.weight_bytes(ctx.hf_model())
+    return roofline.weight_bytes(ctx.engine.model)
 
 
 def roofline_figures(ctx: BenchContext, latency: dict, quick: bool) -> dict:
@@ -85,7 +107,7 @@ def roofline_figures(ctx: BenchContext, latency: dict, quick: bool) -> dict:
     bound, multiple = {}, {}
     for name, by_context in latency.items():
         kv = per_token.get(name, per_token["transformers"])
-        w = weights // 2 if name == BF16_PAGED else weights  # it reads a bfloat16 copy of every projection
+        w = weight_bytes_read(ctx, name)
         bound[name] = {c: roofline.lower_bound_ms(roofline.step_bytes(w, kv, int(c)), bw.all_threads_gbs)
                        for c in by_context}
         multiple[name] = {c: ratio(ms, bound[name][c]) for c, ms in by_context.items()}

@@ -21,12 +21,10 @@ _seq_ids = itertools.count(10_000)
 
 
 class EnginePeer:
-    def __init__(self, engine: Engine, strategy: str, pool_tokens: int, block_size: int = 16,
-                 decode_dtype: torch.dtype | None = None):
+    def __init__(self, engine: Engine, strategy: str, pool_tokens: int, block_size: int = 16):
         self.engine, self.strategy = engine, strategy
-        self.name = f"engine {strategy}" + (f" ({str(decode_dtype)[6:]} decode weights)" if decode_dtype else "")
+        self.name = f"engine {strategy}, {engine.weight_format} weights"
         self.pool_tokens, self.block_size = pool_tokens, block_size
-        self.decode_dtype = decode_dtype
 
     def _cache(self):
         return make_cache(self.engine, self.strategy, self.block_size, self.pool_tokens)
@@ -39,13 +37,6 @@ class EnginePeer:
             return timed_ms(lambda: prefill(e, seq, ids, chunk), e.synchronize)[1]
 
     def decode_ms(self, ids: list[int], contexts: list[int], steps: int) -> dict[int, list[float]]:
-        self.engine.model.set_decode_weights(self.decode_dtype)
-        try:
-            return self._decode_ms(ids, contexts, steps)
-        finally:
-            self.engine.model.set_decode_weights(None)
-
-    def _decode_ms(self, ids: list[int], contexts: list[int], steps: int) -> dict[int, list[float]]:
         e, seq, out = self.engine, next(_seq_ids), {}
         with using_cache(e, self._cache()) as cache:
             cache.prepare(seq, ids)

@@ -6,6 +6,7 @@ from engine.bench import peers, report
 from engine.bench.common import BenchContext, bar, median, random_ids
 
 LENGTHS = (128, 512, 2048)
+FLOAT32_ROW = "paged, float32 weights"
 REPEATS, QUICK_REPEATS = 3, 1
 
 METHOD = (
@@ -21,16 +22,22 @@ def run(ctx: BenchContext, quick: bool) -> dict:
     vocab = ctx.engine.model_config.vocab_size
     others, notes = peers.external_peers(ctx, max(LENGTHS) + 8)
     # a quantized cache changes what decode reads, not the prefill forward: decode and quality measure those
-    runners = {"paged": peers.EnginePeer(ctx.engine, "paged", max(LENGTHS) + 64),
-               **{name: peer for name, peer in others.items() if "cache" not in name}}
+    runners = {"paged": peers.EnginePeer(ctx.engine, "paged", max(LENGTHS) + 64)}
+    if ctx.engine.weight_format != "float32":
+        runners[FLOAT32_ROW] = peers.EnginePeer(ctx.engine_with_weights("float32"), "paged", max(LENGTHS) + 64)
+    runners.update({name: peer for name, peer in others.items() if "cache" not in name})
+    notes.insert(0, f"'paged' runs the auto weight format ({ctx.engine.weight_format} here): prefill dequantizes "
+                    "each layer's weights once per chunk and multiplies in float32.")
     samples = {}
     for name, peer in bar(list(runners.items()), "prefill peers"):
         peer.prefill_ms(random_ids(32, vocab, seed=7))  # warm-up
         samples[name] = {str(n): [peer.prefill_ms(random_ids(n, vocab, seed=100 * n + i)) for i in range(repeats)]
                          for n in LENGTHS}
     tok_s = {name: {n: int(n) / (median(ms) / 1000) for n, ms in s.items()} for name, s in samples.items()}
+    weights = {"format": ctx.engine.weight_format, "resident_bytes": ctx.engine.weights_resident_bytes,
+               "file_bytes": ctx.engine.weights_file_bytes}
     return {"method": METHOD, "lengths": list(LENGTHS), "repeats": repeats, "notes": notes,
-            "tokens_per_s": tok_s, "samples_ms": samples}
+            "tokens_per_s": tok_s, "samples_ms": samples, "weights": weights}
 
 
 def summarize(r: dict) -> str:

@@ -22,10 +22,13 @@ class Bandwidth:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of weights one decode step reads: each parameter once (a tied lm_head is counted once).
+    """Bytes of weights one decode step reads: each parameter once (a tied lm_head is counted once), in the
+    format the model holds them (kvscope's models say so themselves: int4 codes, scales and minimums).
 
     An untied embedding table is looked up for one token only, so it contributes one row.
     """
+    if hasattr(model, "decode_weight_bytes"):
+        return model.decode_weight_bytes
     total = sum(p.numel() * p.element_size() for p in model.parameters())  # shared tensors appear once
     embed, head = _embedding_and_head(model)
     if embed is not None and head is not None and embed.data_ptr() != head.data_ptr():

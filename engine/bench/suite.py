@@ -66,7 +66,8 @@ def run_bench(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     try:
-        ctx = load_context(args.model, args.quick, tiny=getattr(args, "tiny", False))
+        ctx = load_context(args.model, args.quick, tiny=getattr(args, "tiny", False),
+                           weights=getattr(args, "weights", None))
     except ModelLoadError as e:
         print(f"kvscope bench: {e}", file=sys.stderr)
         return 1
