@@ -7,6 +7,8 @@ of points stay fluid.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer
@@ -26,6 +28,9 @@ MIN_FIGURES_HEIGHT = 120
 PARTS = ("latency", "memory", "figures")
 LATENCY_ITEMS = ("decode", "prefill", "verify")
 STYLE_GREY = "#8b93a1"
+
+
+MIB = 1024 * 1024
 
 
 def _pen(color: str, width: float = 1.5, style=Qt.PenStyle.SolidLine, alpha: int = 255):
@@ -82,7 +87,18 @@ class MetricsPanel(QWidget):
     # --- inputs -------------------------------------------------------------------------------------------------
     def set_model_info(self, info: ModelInfo) -> None:
         self.info = info
+        self._show_weights(info)
         self._update_figures()
+
+    def _show_weights(self, info: ModelInfo) -> None:
+        """The weights' resident bytes as a flat line beside the KV lines: where KV crosses it, the cache holds
+        more than the model itself."""
+        if not info.weights_bytes:
+            self.weights_line.hide()
+            return
+        self.weights_line.setValue(math.log10(info.weights_bytes / MIB))  # the plot's y is log10(MiB)
+        self.weights_line.label.setFormat(f"weights ({info.weight_format}) {info.weights_bytes / MIB:,.0f} MiB")
+        self.weights_line.show()
 
     def add_step(self, event) -> None:
         self.log.add(event)
@@ -182,6 +198,11 @@ class MetricsPanel(QWidget):
         self.latency_plot = make_plot("ms per token")
         self.memory_plot = make_plot("MiB")
         self.memory_plot.setXLink(self.latency_plot)  # one context position, one column in both plots
+        self.weights_line = pg.InfiniteLine(angle=0, movable=False, pen=_pen(STYLE_GREY, 1, Qt.PenStyle.DashDotLine),
+                                            label="weights", labelOpts={"position": 0.02, "color": STYLE_GREY,
+                                                                        "anchors": [(0, 1), (0, 1)]})
+        self.weights_line.hide()
+        self.memory_plot.addItem(self.weights_line)
         self.latency_plot.getPlotItem().getAxis("bottom").showLabel(False)  # named once, under the lower plot
         self.latency_box = PlotBox("Per-token latency (log scale)", self.latency_plot, self.plots)
         self.memory_box = PlotBox("KV cache memory (log scale)", self.memory_plot, self.plots)

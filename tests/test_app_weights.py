@@ -3,9 +3,10 @@ bar, Help → About and the figures say what is resident and when the KV cache o
 
 from __future__ import annotations
 
+from test_app_support import Catch, send
+
 from app.dialogs import about_html
 from app.figures import figure_rows
-from test_app_support import Catch, send
 
 
 def test_choosing_a_weight_format_converts_the_weights_and_keeps_the_conversation(qtbot, window):
@@ -29,3 +30,10 @@ def test_the_figures_name_the_context_where_the_kv_cache_outgrows_the_weights(qt
     info = window.info
     expected = info.weights_bytes // (2 * 4 * info.num_layers * info.num_kv_heads * info.head_dim) + 1
     assert value.startswith(f"{expected:,} tokens") and "weights" in detail
+
+
+def test_the_memory_plot_draws_the_weights_as_a_line_beside_the_kv_lines(qtbot, window):
+    line = window.metrics.weights_line
+    assert line.isVisible()
+    assert abs(10 ** line.value() * 1024 * 1024 - window.info.weights_bytes) < 0.01 * window.info.weights_bytes
+    assert window.info.weight_format in line.label.format
