@@ -62,6 +62,11 @@ class PagedView(StepView):
         width = max(n_new)
         self.valid_index = torch.tensor([i * width + j for i, n in enumerate(n_new) for j in range(n)], device=dev)
         self.reads = [cache.read_plan(t, length, masked=n > 1) for t, length, n in zip(tables, self.kv_len, n_new)]
+        self.views = self._slice_views()
+
+    def _slice_views(self) -> list[list[tuple]]:
+        """Per sequence and piece, the per-layer views of a slice piece, made once for the whole step."""
+        return [[self.cache.piece_views(piece) for piece in plan.pieces] for plan in self.reads]
 
     def new_tokens_flat(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, H, T, D] -> [H, N, D] holding only the valid (unpadded) new tokens."""
@@ -74,17 +79,24 @@ class PagedView(StepView):
         c = self.cache
         new_k, new_v = self.new_tokens_flat(k), self.new_tokens_flat(v)  # [Hkv, N, D]
         for chunk, slots, sources in self.writes:
-            keys, values = c.chunks[chunk][0][layer], c.chunks[chunk][1][layer]  # [Hkv, chunk slots, D]
+            keys, values = c.layers[chunk][0][layer], c.layers[chunk][1][layer]  # [Hkv, chunk slots, D]
             keys.index_copy_(1, slots, new_k if sources is None else new_k.index_select(1, sources))
             values.index_copy_(1, slots, new_v if sources is None else new_v.index_select(1, sources))
-        return self.attend_pieces(q, lambda i: [c.read_piece(layer, piece) for piece in self.reads[i].pieces])
+        return self.attend_pieces(q, lambda i: self._pieces(layer, i))
+
+    def _pieces(self, layer: int, i: int) -> list[tuple]:
+        """Sequence i's pieces at this layer: (k, k transposed or None, v); a slice is a view made at the step's
+        start, a gather reads now (after this layer's write)."""
+        return [(k[layer], k_t[layer], v[layer]) if k is not None else self.cache.gather_piece(layer, piece)
+                for piece, (k, k_t, v) in zip(self.reads[i].pieces, self.views[i])]
 
     def attend_pieces(self, q: torch.Tensor, pieces_of) -> torch.Tensor:
-        """Like attend_each, for keys and values in pieces: pieces_of(i) -> [(k, v) each [Hkv, S_p, D]]."""
+        """Like attend_each, for keys and values in pieces: pieces_of(i) -> [(k [Hkv, S_p, D], k transposed
+        [Hkv, D, S_p] or None, v [Hkv, S_p, D])]. One piece in position order: plain attention over it."""
         def one(i: int, q_i: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
             pieces, k_pos = pieces_of(i), self.reads[i].key_positions
             if len(pieces) == 1 and k_pos is None:
-                return attention(q_i, pieces[0][0][None], pieces[0][1][None], q_pos)
+                return attention(q_i, pieces[0][0][None], pieces[0][2][None], q_pos)
             return attention_over_pieces(q_i, pieces, q_pos, k_pos)
 
         if len(self.seq_ids) == 1:
@@ -104,29 +116,29 @@ class ReadPlan:
     key_positions: torch.Tensor | None = None  # [S]
 
 
-def attention_over_pieces(q: torch.Tensor, pieces: list[tuple[torch.Tensor, torch.Tensor]], q_pos: torch.Tensor,
+def attention_over_pieces(q: torch.Tensor, pieces: list[tuple], q_pos: torch.Tensor,
                           k_pos: torch.Tensor | None) -> torch.Tensor:
     """Causal grouped-query attention of one sequence whose keys and values lie in several pieces, read in
     place: the scores of each piece, one softmax over all of them, the values of each piece weighted by it.
 
-    q: [1, Hq, T, D]; pieces: (k, v) pairs, each [Hkv, S_p, D]; q_pos: [1, T]; k_pos: [S] the position of
-    each key in piece order (None: 0..S-1). Returns [1, Hq, T, D].
+    q: [1, Hq, T, D]; pieces: (k [Hkv, S_p, D], k transposed [Hkv, D, S_p] or None, v [Hkv, S_p, D]);
+    q_pos: [1, T]; k_pos: [S] the position of each key in piece order (None: 0..S-1). Returns [1, Hq, T, D].
     """
     _, hq, t, d = q.shape
     hkv = pieces[0][0].shape[0]
     queries = q.reshape(hkv, hq // hkv * t, d) * d ** -0.5  # [Hkv, G*T, D]: a group's query heads share keys
-    scores = torch.cat([torch.bmm(queries, k.mT) for k, _ in pieces], dim=-1)  # [Hkv, G*T, S]
-    if t > 1:
+    scores = torch.cat([torch.bmm(queries, k.mT if k_t is None else k_t) for k, k_t, _ in pieces], dim=-1)
+    if t > 1:  # scores: [Hkv, G*T, S]
         s = scores.shape[-1]
         k_pos = torch.arange(s, device=q.device) if k_pos is None else k_pos
         hidden = k_pos[None, :] > q_pos[0, :, None]  # [T, S]
         scores.view(hkv, -1, t, s).masked_fill_(hidden, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out, start = None, 0
-    for _, v in pieces:
-        weights = probs[:, :, start:start + v.shape[1]]
-        out = torch.bmm(weights, v) if out is None else out.baddbmm_(weights, v)  # [Hkv, G*T, D]
-        start += v.shape[1]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    probs = probs if probs.dtype == q.dtype else probs.to(q.dtype)
+    weights = probs.split([v.shape[1] for _, _, v in pieces], dim=-1)
+    out = torch.bmm(weights[0], pieces[0][2])  # [Hkv, G*T, D]
+    for w, (_, _, v) in zip(weights[1:], pieces[1:]):
+        out.baddbmm_(w, v)
     return out.view(1, hq, t, d)
 
 
@@ -153,6 +165,7 @@ class PagedCache(KVCache):
         self.pool = BlockPool(0, block_size)
         self.seqs: dict[int, Sequence] = {}
         self.chunks: list[list[torch.Tensor]] = []  # per chunk: its storage tensors, see _chunk_tensors
+        self.layers: list[list[tuple[torch.Tensor, ...]]] = []  # per chunk and storage tensor: its per-layer views
 
     def _max_blocks(self, pool_tokens: int | None, budget_bytes: int | None) -> int:
         """The budget in blocks: pool_tokens and budget_bytes where given, else one context's worth."""
@@ -199,6 +212,7 @@ class PagedCache(KVCache):
         tensors = self._chunk_tensors(self.layout.next_chunk_blocks(), self.device)  # may raise: nothing changed
         self.pool.grow(self.layout.add_chunk())
         self.chunks.append(tensors)
+        self.layers.append([t.unbind(0) for t in tensors])
 
     def give_back(self) -> int:
         """Give back trailing chunks whose blocks are all free (not used, not cached); returns the blocks."""
@@ -207,6 +221,7 @@ class PagedCache(KVCache):
             self.pool.give_back(self.layout.sizes[-1])
             returned += self.layout.remove_last_chunk()
             self.chunks.pop()
+            self.layers.pop()
         return returned
 
     # ---- where the tokens are
@@ -225,7 +240,20 @@ class PagedCache(KVCache):
     def read_piece(self, layer: int, piece: tuple[int, slice | torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [Hkv, S_p, D] of a piece: a view for a slice, a gather otherwise."""
         chunk, slots = piece
-        return take(self.chunks[chunk][0][layer], slots), take(self.chunks[chunk][1][layer], slots)
+        return take(self.layers[chunk][0][layer], slots), take(self.layers[chunk][1][layer], slots)
+
+    def piece_views(self, piece: tuple[int, slice | torch.Tensor]) -> tuple:
+        """A slice piece's keys, keys transposed and values as per-layer views (tuples of L), made in a few ops
+        for a whole step instead of a few per layer; (None, None, None) for a gathered piece."""
+        chunk, slots = piece
+        if not isinstance(slots, slice):
+            return None, None, None
+        keys, values = self.chunks[chunk][0][:, :, slots], self.chunks[chunk][1][:, :, slots]  # [L, Hkv, S_p, D]
+        return keys.unbind(0), keys.mT.unbind(0), values.unbind(0)
+
+    def gather_piece(self, layer: int, piece: tuple[int, torch.Tensor]) -> tuple:
+        keys, values = self.read_piece(layer, piece)
+        return keys, None, values
 
     # ---- preparing a sequence: reuse what is held, or what the prefix cache has
     def prepare(self, seq_id, token_ids):

@@ -25,11 +25,14 @@ class Int8View(PagedView):
                     v[i, :, : self.n_new[i]])
         return self.attend_pieces(q, lambda i: [self._dequantized(layer, i)])
 
+    def _slice_views(self) -> None:
+        return None  # int8 pieces are dequantized into scratch, layer by layer
+
     def _dequantized(self, layer: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         c, length = self.cache, self.kv_len[i]
         keys, values = c.workspace(length)  # [Hkv, S, D] each, full precision, in the plan's key order
         c.dequantize_into(layer, self.reads[i], c.windows[self.seq_ids[i]], length, keys, values)
-        return keys, values
+        return keys, None, values
 
 
 class PagedInt8Cache(PagedCache):
@@ -102,7 +105,7 @@ class PagedInt8Cache(PagedCache):
         v_q, v_scale = quant.quantize_values(v)  # [Hkv, n, D], [Hkv, n]
         k_q = k_q.view(h, n, d)
         for chunk, offsets, sources in self._blocks_by_chunk(blocks):
-            k_c, v_c, k_scale_c, v_scale_c = (t[layer] for t in self.chunks[chunk])
+            k_c, v_c, k_scale_c, v_scale_c = (by_layer[layer] for by_layer in self.layers[chunk])
             slots = self.block_slots(offsets)
             source_slots = None if sources is None else self.block_slots(sources)
             k_c.index_copy_(1, slots, pick(k_q, source_slots))
@@ -139,7 +142,7 @@ class PagedInt8Cache(PagedCache):
         last), into keys/values [Hkv, >=length, D]."""
         bs, start = self.block_size, 0
         for chunk, slots in plan.pieces:
-            k_c, v_c, k_scale_c, v_scale_c = (t[layer] for t in self.chunks[chunk])
+            k_c, v_c, k_scale_c, v_scale_c = (by_layer[layer] for by_layer in self.layers[chunk])
             k_q, v_q = take(k_c, slots), take(v_c, slots)  # [Hkv, S_p, D] int8
             h, n, d = k_q.shape
             blocks = slice(slots.start // bs, slots.stop // bs) if isinstance(slots, slice) else slots[::bs] // bs
