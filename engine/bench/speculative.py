@@ -79,13 +79,13 @@ def grounded_candidates(ctx: BenchContext, n: int) -> list[str]:
     ids = ctx.text_ids()
     stride = len(ids) // (n + 1)
     passages = [tok.decode(ids[i * stride: i * stride + 70]).strip() for i in range(1, n + 1)]
-    code = textwrap.dedent(inspect.getsource(shlex.quote))
+    code = [textwrap.dedent(inspect.getsource(f)) for f in (shlex.quote, textwrap.indent)]
     asks = ("Repeat the following text exactly, word for word:\n\n{}",
             "Fix any typos in this paragraph and write it out again in full:\n\n{}",
             "Add a one-line docstring to this Python function and write out the whole function:\n\n{}",
             "Copy this passage, then add one sentence at the end:\n\n{}")
-    prompts = [asks[i % len(asks)].format(code if i % len(asks) == 2 else p) for i, p in enumerate(passages)]
-    return prompts
+    return [asks[i % len(asks)].format(code[i // len(asks) % 2] if i % len(asks) == 2 else p)
+            for i, p in enumerate(passages)]
 
 
 def word_4gram_overlap(reply: str, prompt: str) -> float:
@@ -206,26 +206,22 @@ def targets_line(r: dict) -> str:
 
 
 def plot(r: dict, path) -> None:
-    fig, (bars, scatter) = report.figure(2, width=6.0)
-    labels, width = [], 0.38
-    for i, (strategy, by_workload) in enumerate(r["results"].items()):
-        workloads = [(w, s) for w, s in by_workload.items() if w != "forward_ms"]
-        for j, (workload, s) in enumerate(workloads):
-            x = 2 * i + j
-            labels.append(f"{strategy}, {workload}")
-            bars.bar(x - width / 2, s["plain_tok_s"] or 0, width, color=PLAIN_COLOR, label="plain" if x == 0 else "_")
-            bars.bar(x + width / 2, s["spec_tok_s"] or 0, width, color=SPEC_COLOR,
-                     label="prompt lookup" if x == 0 else "_")
-    report.bar_labels(bars, labels)
-    bars.set(title="decode tokens/s", ylabel="tokens/s")
-    bars.legend(fontsize=8)
+    groups = [(f"{strategy}, {workload}", s) for strategy, by in r["results"].items() for workload, s in _workloads(by)]
+    fig, (bars, scatter) = report.figure_for_rows(len(groups), 2, width=6.0)
+    height = 0.38
+    for y, (_label, s) in enumerate(groups):
+        bars.barh(y - height / 2, s["plain_tok_s"] or 0, height, color=PLAIN_COLOR, label="plain" if y == 0 else "_")
+        bars.barh(y + height / 2, s["spec_tok_s"] or 0, height, color=SPEC_COLOR,
+                  label="prompt lookup" if y == 0 else "_")
+    report.categories(bars, [label for label, _ in groups])
+    bars.set(title="decode tokens/s", xlabel="tokens/s")
     for strategy, by_workload in r["results"].items():
-        points = [p for w, s in by_workload.items() if w != "forward_ms" for p in s["prompts"] if p["speedup"]]
+        points = [p for _w, s in _workloads(by_workload) for p in s["prompts"] if p["speedup"]]
         scatter.plot([p["overlap"] for p in points], [p["speedup"] for p in points], "o", label=strategy,
                      color=report.color(strategy))
     scatter.axhline(1.0, color="#888888", lw=0.8)
     scatter.set_xlim(-0.02, 1.02)
     scatter.set(title="speed-up per prompt", xlabel="word 4-gram overlap of the reply with the prompt",
                 ylabel="speculative / plain tokens/s")
-    report.legend_outside(scatter)
+    report.legend_outside(scatter, bars)
     report.save(fig, path)
