@@ -421,3 +421,31 @@ def test_the_cli_speculates_with_lookup_and_its_json_steps_say_what_each_step_ve
     assert sum(s["n_drafted"] for s in steps) == done["n_drafted"] > 0
     assert done["n_decode_steps"] < plain_done["n_decode_steps"]
     assert all(s["n_drafted"] == 0 for s in plain_steps)
+
+
+# ---- the benchmark's report -----------------------------------------------------------------------------------
+
+
+def test_the_recorded_speculative_bench_summarises_and_plots_readably(tmp_path):
+    import json
+    from pathlib import Path
+
+    from engine.bench import report
+    from engine.bench import speculative as bench
+    from tests.test_bench_plots import assert_readable
+
+    recorded = Path(__file__).resolve().parents[1] / "docs" / "bench" / "speculative-quick" / "results.json"
+    result = json.loads(recorded.read_text())["benchmarks"]["speculative"]
+    text = bench.summarize(result)
+    assert "input-grounded" in text and "free chat" in text and "Targets: paged input-grounded" in text
+    bench.plot(result, tmp_path / "speculative.png")
+    assert_readable(report.last_saved["axes"])
+
+
+def test_word_4gram_overlap_is_the_share_of_the_replys_4grams_found_in_the_prompt():
+    from engine.bench.speculative import word_4gram_overlap
+
+    prompt = "the cat sat on the mat today"
+    assert word_4gram_overlap("the cat sat on the mat", prompt) == 1.0
+    assert word_4gram_overlap("the cat sat on a rug", prompt) == pytest.approx(1 / 3)
+    assert word_4gram_overlap("too short", prompt) == 0.0
