@@ -50,12 +50,13 @@ def test_every_recorded_plot_is_readable(name, tmp_path):
 def test_the_decode_peers_that_shared_green_now_have_their_own_colours(tmp_path):
     (latency, _) = drawn("decode", recorded()["decode"], tmp_path)
     colours = latency["series"]
-    assert colours["paged"] != colours[decode.BF16_PAGED]
+    formats = [name for name in colours if name.startswith("paged, ")]
+    assert formats and all(colours["paged"] != colours[name] for name in formats)
     assert len(set(colours.values())) == len(colours) == latency["n_series"]
 
 
 def test_colours_are_keyed_by_the_whole_series_name_not_a_substring_of_it():
-    assert report.color("paged, bf16 decode weights") != report.color("paged")
+    assert report.color(decode.weights_row("bfloat16")) != report.color("paged")
     assert report.color("transformers fp8 cache") != report.color("transformers")
     assert len({report.color(n) for n in turns.SERIES}) == len(turns.SERIES)
     unknown = report.color("a series no palette names")
