@@ -25,6 +25,7 @@ from engine.kv.contiguous import ContiguousCache
 from engine.kv.paged import PagedCache
 from engine.kv.paged_int8 import PagedInt8Cache
 from engine.kv.recompute import RecomputeCache
+from engine.machine import cpu_model
 
 ENGINE_STRATEGIES = ("none", "contiguous", "paged", "paged-int8")
 SEED = 1234
@@ -217,14 +218,6 @@ def status(message: str) -> None:
 
 
 # ---- the machine
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def machine_info(engine: Engine) -> dict:

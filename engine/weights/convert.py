@@ -4,13 +4,13 @@ and the `auto` choice: the fastest format measured on this machine that meets th
 from __future__ import annotations
 
 import json
-import platform
 import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from engine.machine import cpu_model
 from engine.weights.formats import QuantizedWeight, check_format, quantize_int4, quantize_int8
 from engine.weights.linear import FloatLinear, Int4Linear, Int8Linear, WeightLinear, build_linear
 
@@ -77,8 +77,7 @@ def resolve_auto(device: torch.device, shape: tuple[int, int], cache_dir: Path |
     torch and threads."""
     if device.type != "cpu":
         return "bfloat16"
-    key = f"{platform.processor() or platform.machine()}|{_cpu_model()}|torch {torch.__version__}|" \
-          f"threads {torch.get_num_threads()}|{shape[0]}x{shape[1]}"
+    key = f"{cpu_model()}|torch {torch.__version__}|threads {torch.get_num_threads()}|{shape[0]}x{shape[1]}"
     remembered = _read_choices(cache_dir)
     if key in remembered:
         return remembered[key]["choice"]
@@ -105,16 +104,6 @@ def measure_decode_formats(shape: tuple[int, int], repeats: int = 30) -> dict[st
                 samples.append(time.perf_counter() - start)
         timings[fmt] = round(sorted(samples)[len(samples) // 2] * 1e6, 1)
     return timings
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown cpu"
 
 
 def _read_choices(cache_dir: Path | None) -> dict:
