@@ -96,9 +96,9 @@ class MetricsPanel(QWidget):
         if not info.weights_bytes:
             self.weights_line.hide()
             return
+        self.weights_line.show()  # first: a hidden label ignores new text
         self.weights_line.setValue(math.log10(info.weights_bytes / MIB))  # the plot's y is log10(MiB)
         self.weights_line.label.setFormat(f"weights ({info.weight_format}) {info.weights_bytes / MIB:,.0f} MiB")
-        self.weights_line.show()
 
     def add_step(self, event) -> None:
         self.log.add(event)
@@ -200,7 +200,7 @@ class MetricsPanel(QWidget):
         self.memory_plot.setXLink(self.latency_plot)  # one context position, one column in both plots
         self.weights_line = pg.InfiniteLine(angle=0, movable=False, pen=_pen(STYLE_GREY, 1, Qt.PenStyle.DashDotLine),
                                             label="weights", labelOpts={"position": 0.02, "color": STYLE_GREY,
-                                                                        "anchors": [(0, 1), (0, 1)]})
+                                                                        "anchors": [(0, 0), (0, 0)]})  # below it
         self.weights_line.hide()
         self.memory_plot.addItem(self.weights_line)
         self.latency_plot.getPlotItem().getAxis("bottom").showLabel(False)  # named once, under the lower plot
