@@ -106,7 +106,8 @@ def make_plot(y_label: str) -> pg.PlotWidget:
 
 
 def update_headroom(plot: pg.PlotWidget) -> None:
-    """Place the invisible anchor at labelled ticks just beyond the lowest and highest finite data points."""
+    """Place the invisible anchor at labelled ticks just beyond the lowest and highest finite data points
+    (and horizontal reference lines)."""
     item = plot.getPlotItem()
     low, high, x = math.inf, -math.inf, None
     for data in item.listDataItems():
@@ -119,8 +120,16 @@ def update_headroom(plot: pg.PlotWidget) -> None:
     if x is None:
         item.headroom.setData([], [])
         return
+    for level in _levels(item):  # horizontal reference lines (the weights' size) get headroom too
+        low, high = min(low, level), max(high, level)
     bottom, top = log_headroom(low, high)
     item.headroom.setData([x, x], [bottom, top])
+
+
+def _levels(item) -> list[float]:
+    """The y values (data units) of the plot's visible horizontal InfiniteLines (their value is in log10 units)."""
+    return [10.0 ** line.value() for line in item.items
+            if isinstance(line, pg.InfiniteLine) and line.isVisible() and line.angle % 180 == 0]
 
 
 def _glyph(pen) -> tuple[str, str]:

@@ -278,6 +278,20 @@ def test_the_highest_line_has_headroom_and_a_labelled_tick_above_it(qtbot, panel
         assert any(10 ** v >= highest for v in labelled)  # and a labelled tick above the highest line
 
 
+def test_a_horizontal_reference_line_gets_headroom_too(qtbot, panel):
+    import pyqtgraph as pg
+
+    line = pg.InfiniteLine(pos=math.log10(110.0), angle=0)  # e.g. the weights' 110 MiB, over a few MiB of KV
+    panel.memory_plot.addItem(line)
+    play(panel, turn(0, 45, 100))
+    settle(qtbot)
+
+    low, high = panel.memory_plot.getViewBox().viewRange()[1]
+    axis = panel.memory_plot.getPlotItem().getAxis("left")
+    labelled = [v for level in axis.logTickValues(low, high, 100, None)[:2] for v in level[1]]
+    assert 10 ** high >= 1.05 * 110 and any(10 ** v >= 110 for v in labelled)
+
+
 @pytest.mark.parametrize("low, high", [(0.5, 40.0), (0.02, 1800.0), (0.1, 0.11), (200.0, 360.0)])
 def test_log_headroom_ends_on_ticks_beyond_the_data(low, high):
     bottom, top = log_headroom(low, high)
