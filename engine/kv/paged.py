@@ -66,7 +66,8 @@ class PagedView(StepView):
 
     def _slice_views(self) -> list[list[tuple]]:
         """Per sequence and piece, the per-layer views of a slice piece, made once for the whole step."""
-        return [[self.cache.piece_views(piece) for piece in plan.pieces] for plan in self.reads]
+        return [[self.cache.piece_views(piece, alone=len(plan.pieces) == 1) for piece in plan.pieces]
+                for plan in self.reads]
 
     def new_tokens_flat(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, H, T, D] -> [H, N, D] holding only the valid (unpadded) new tokens."""
@@ -87,8 +88,13 @@ class PagedView(StepView):
     def _pieces(self, layer: int, i: int) -> list[tuple]:
         """Sequence i's pieces at this layer: (k, k transposed or None, v); a slice is a view made at the step's
         start, a gather reads now (after this layer's write)."""
-        return [(k[layer], k_t[layer], v[layer]) if k is not None else self.cache.gather_piece(layer, piece)
-                for piece, (k, k_t, v) in zip(self.reads[i].pieces, self.views[i])]
+        return [self._piece_at(layer, piece, views) for piece, views in zip(self.reads[i].pieces, self.views[i])]
+
+    def _piece_at(self, layer: int, piece: tuple, views: tuple) -> tuple:
+        k, k_t, v = views
+        if v is None:
+            return self.cache.gather_piece(layer, piece)
+        return None if k is None else k[layer], None if k_t is None else k_t[layer], v[layer]
 
     def attend_pieces(self, q: torch.Tensor, pieces_of) -> torch.Tensor:
         """Like attend_each, for keys and values in pieces: pieces_of(i) -> [(k [Hkv, S_p, D], k transposed
@@ -96,7 +102,8 @@ class PagedView(StepView):
         def one(i: int, q_i: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
             pieces, k_pos = pieces_of(i), self.reads[i].key_positions
             if len(pieces) == 1 and k_pos is None:
-                return attention(q_i, pieces[0][0][None], pieces[0][2][None], q_pos)
+                k = pieces[0][0] if pieces[0][0] is not None else pieces[0][1].mT
+                return attention(q_i, k[None], pieces[0][2][None], q_pos)
             return attention_over_pieces(q_i, pieces, q_pos, k_pos)
 
         if len(self.seq_ids) == 1:
@@ -121,11 +128,12 @@ def attention_over_pieces(q: torch.Tensor, pieces: list[tuple], q_pos: torch.Ten
     """Causal grouped-query attention of one sequence whose keys and values lie in several pieces, read in
     place: the scores of each piece, one softmax over all of them, the values of each piece weighted by it.
 
-    q: [1, Hq, T, D]; pieces: (k [Hkv, S_p, D], k transposed [Hkv, D, S_p] or None, v [Hkv, S_p, D]);
+    q: [1, Hq, T, D]; pieces: (k [Hkv, S_p, D], k transposed [Hkv, D, S_p], v [Hkv, S_p, D]), one of the
+    two keys possibly None;
     q_pos: [1, T]; k_pos: [S] the position of each key in piece order (None: 0..S-1). Returns [1, Hq, T, D].
     """
     _, hq, t, d = q.shape
-    hkv = pieces[0][0].shape[0]
+    hkv = pieces[0][2].shape[0]
     queries = q.reshape(hkv, hq // hkv * t, d) * d ** -0.5  # [Hkv, G*T, D]: a group's query heads share keys
     scores = torch.cat([torch.bmm(queries, k.mT if k_t is None else k_t) for k, k_t, _ in pieces], dim=-1)
     if t > 1:  # scores: [Hkv, G*T, S]
@@ -133,8 +141,10 @@ def attention_over_pieces(q: torch.Tensor, pieces: list[tuple], q_pos: torch.Ten
         k_pos = torch.arange(s, device=q.device) if k_pos is None else k_pos
         hidden = k_pos[None, :] > q_pos[0, :, None]  # [T, S]
         scores.view(hkv, -1, t, s).masked_fill_(hidden, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-    probs = probs if probs.dtype == q.dtype else probs.to(q.dtype)
+    if q.dtype == torch.float32:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # half precision: the softmax in float32
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     weights = probs.split([v.shape[1] for _, _, v in pieces], dim=-1)
     out = torch.bmm(weights[0], pieces[0][2])  # [Hkv, G*T, D]
     for w, (_, _, v) in zip(weights[1:], pieces[1:]):
@@ -242,14 +252,17 @@ class PagedCache(KVCache):
         chunk, slots = piece
         return take(self.layers[chunk][0][layer], slots), take(self.layers[chunk][1][layer], slots)
 
-    def piece_views(self, piece: tuple[int, slice | torch.Tensor]) -> tuple:
-        """A slice piece's keys, keys transposed and values as per-layer views (tuples of L), made in a few ops
-        for a whole step instead of a few per layer; (None, None, None) for a gathered piece."""
+    def piece_views(self, piece: tuple[int, slice | torch.Tensor], alone: bool = True) -> tuple:
+        """A slice piece's keys (alone: the sequence's only piece) or keys transposed (one of several pieces),
+        and its values, as per-layer views (tuples of L), made in a few ops for a whole step instead of a few
+        per layer; (None, None, None) for a gathered piece."""
         chunk, slots = piece
         if not isinstance(slots, slice):
             return None, None, None
         keys, values = self.chunks[chunk][0][:, :, slots], self.chunks[chunk][1][:, :, slots]  # [L, Hkv, S_p, D]
-        return keys.unbind(0), keys.mT.unbind(0), values.unbind(0)
+        if alone:
+            return keys.unbind(0), None, values.unbind(0)
+        return None, keys.mT.unbind(0), values.unbind(0)
 
     def gather_piece(self, layer: int, piece: tuple[int, torch.Tensor]) -> tuple:
         keys, values = self.read_piece(layer, piece)
