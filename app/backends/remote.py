@@ -101,6 +101,9 @@ class RemoteClient(QObject):
     def set_kv_budget(self, _mib: float | None) -> None:
         """The server sizes its own pool: nothing to send."""
 
+    def set_weights(self, _fmt: str) -> None:
+        """The server holds its own weights (its --weights): nothing to send."""
+
     def new_conversation(self, system_prompt: str | None) -> None:
         self._new_conversation.emit(system_prompt)
 
