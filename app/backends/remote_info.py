@@ -21,6 +21,9 @@ class RemoteInfo:
     remote = True
     device = "server"
     dtype_name = "remote"
+    weights_text = "the server's weights"  # a server does not say how it stores them
+    weight_format = ""
+    weights_bytes = 0
     cache_strategy = STRATEGY
     block_size = 0
 
