@@ -136,13 +136,22 @@ def test_step_bytes_add_the_kv_of_the_context():
 def test_targets_pass_and_miss_from_the_ratios():
     decode = {"latency_ms": {"paged": {"16": 10.0, "512": 10.0, "2048": 11.0, "4096": 25.0},
                              "contiguous": {"2048": 10.0}, "paged-int8": {"2048": 13.0},
-                             "transformers": {"512": 30.0, "2048": 22.0}},
+                             "transformers": {"512": 30.0, "2048": 22.0},
+                             "llama.cpp": {"512": 5.0, "4096": 24.0}},
               "roofline": {"multiple": {"paged": {"512": 1.5}}, "bound_ms": {"paged": {"512": 6.7}}}}
-    verdicts = {t.name: t for t in targets.evaluate({"decode": decode})}
+    prefill = {"tokens_per_s": {"paged": {"512": 300.0}, "paged, float32 weights": {"512": 400.0},
+                                "llama.cpp": {"512": 150.0}},
+               "weights": {"format": "int4", "resident_bytes": 120, "file_bytes": 100}}
+    verdicts = {t.name: t for t in targets.evaluate({"decode": decode, "prefill": prefill})}
+    assert not verdicts["paged decode vs llama.cpp at 512 (tok/s ratio, auto weights)"].passed  # 0.5x < 0.6x
+    assert verdicts["paged decode vs llama.cpp at 4096 (tok/s ratio, auto weights)"].passed  # 0.96x >= 0.8x
+    assert not verdicts["prefill at 512: auto weights / float32 weights (tok/s)"].passed  # 0.75x < 0.8x
+    assert verdicts["prefill at 512 vs llama.cpp (tok/s)"].passed  # 2x >= 1.6x
+    assert verdicts["weights resident / GGUF file"].passed  # 1.2x <= 1.3x
     assert verdicts["paged decode vs transformers at 512 (transformers / paged)"].passed
     missed = verdicts["paged decode vs transformers at 2048 (transformers / paged)"]
     assert not missed.passed and "missed by" in missed.margin
     assert verdicts["paged / contiguous latency at 2048"].passed  # 1.1 <= 1.15
     assert verdicts["paged-int8 / paged latency at 2048"].passed  # 1.18 <= 1.3
     assert not verdicts["paged latency growth 16 -> 4096"].passed  # 2.5x
-    assert verdicts["paged decode / bandwidth lower bound at 512"].passed
+    assert verdicts["paged decode / bandwidth lower bound at 512 (bytes actually read)"].passed  # 1.5 <= 1.5
