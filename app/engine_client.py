@@ -10,7 +10,33 @@ from PySide6.QtCore import QObject, QThread, Signal
 from app.worker import EngineWorker
 
 
-class EngineClient(QObject):
+class ChatRequests:
+    """The chat requests every backend client sends the same way: a numbered, queued signal each (the numbers let
+    Stop cancel everything asked for so far). The class using it declares _generate, _regenerate, _edit and owns
+    _requests and worker."""
+
+    def generate(self, text: str, params) -> int:
+        self._requests += 1
+        self._generate.emit(self._requests, text, params)
+        return self._requests
+
+    def regenerate(self, params) -> int:
+        self._requests += 1
+        self._regenerate.emit(self._requests, params)
+        return self._requests
+
+    def edit_and_resend(self, text: str, params) -> int:
+        self._requests += 1
+        self._edit.emit(self._requests, text, params)
+        return self._requests
+
+    def stop(self) -> None:
+        """Cancel every reply asked for so far; takes effect within one step (remote: the stream is closed, so
+        the server frees its blocks)."""
+        self.worker.stop(self._requests)
+
+
+class EngineClient(QObject, ChatRequests):
     _load = Signal(object)
     _use_engine = Signal(object)
     _generate = Signal(int, str, object)
@@ -54,25 +80,6 @@ class EngineClient(QObject):
     def use_engine(self, engine) -> None:
         """Adopt an Engine that is already loaded (tests, embedding)."""
         self._use_engine.emit(engine)
-
-    def generate(self, text: str, params) -> int:
-        self._requests += 1
-        self._generate.emit(self._requests, text, params)
-        return self._requests
-
-    def regenerate(self, params) -> int:
-        self._requests += 1
-        self._regenerate.emit(self._requests, params)
-        return self._requests
-
-    def edit_and_resend(self, text: str, params) -> int:
-        self._requests += 1
-        self._edit.emit(self._requests, text, params)
-        return self._requests
-
-    def stop(self) -> None:
-        """Cancel every generation asked for so far; takes effect within one step."""
-        self.worker.stop(self._requests)
 
     def set_cache(self, strategy: str, block_size: int) -> None:
         """Applied between turns: a generation in progress finishes with the old strategy."""

@@ -18,11 +18,12 @@ from PySide6.QtCore import QObject, Qt, QThread, Signal
 
 from app.backends.remote_info import RemoteInfo, RemoteSignals
 from app.backends.remote_worker import MetricsPoller, RemoteWorker
+from app.engine_client import ChatRequests
 
 __all__ = ["RemoteClient", "RemoteInfo"]
 
 
-class RemoteClient(QObject):
+class RemoteClient(QObject, ChatRequests):
     kind = "remote"
     _load = Signal(object)
     _generate = Signal(int, str, object)
@@ -72,25 +73,6 @@ class RemoteClient(QObject):
 
     def use_engine(self, _engine) -> None:
         raise TypeError("a remote backend runs no local engine")
-
-    def generate(self, text: str, params) -> int:
-        self._requests += 1
-        self._generate.emit(self._requests, text, params)
-        return self._requests
-
-    def regenerate(self, params) -> int:
-        self._requests += 1
-        self._regenerate.emit(self._requests, params)
-        return self._requests
-
-    def edit_and_resend(self, text: str, params) -> int:
-        self._requests += 1
-        self._edit.emit(self._requests, text, params)
-        return self._requests
-
-    def stop(self) -> None:
-        """Stop every reply asked for so far: the stream is closed, so the server frees its blocks."""
-        self.worker.stop(self._requests)
 
     def set_cache(self, strategy: str, block_size: int) -> None:
         self._set_cache.emit(strategy, block_size)
