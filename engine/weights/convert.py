@@ -61,8 +61,9 @@ def module_weight(module: WeightLinear) -> Weight:
 def apply_format(model: nn.Module, fmt: str) -> None:
     """Convert every projection of a built model to `fmt`, one at a time (a tied head is converted once)."""
     for name, module in model.projections().items():
-        target = to_format(module_weight(module), fmt, name)
-        if target is not module_weight(module):
+        current = module_weight(module)
+        target = to_format(current, fmt, name)
+        if target is not current:  # already in the format: keep the module (no repacking)
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, leaf, build_linear(target))
     if model.config.tie_word_embeddings:
