@@ -12,7 +12,8 @@ from app.worker import EngineWorker
 
 class ChatRequests:
     """The chat requests every backend client sends the same way: a numbered, queued signal each (the numbers let
-    Stop cancel everything asked for so far). The class using it declares _generate, _regenerate, _edit and owns
+    Stop cancel everything asked for so far), and the conversation changes. The class using it declares the
+    signals _generate, _regenerate, _edit, _new_conversation, _open_conversation, _set_system_prompt and owns
     _requests and worker."""
 
     def generate(self, text: str, params) -> int:
@@ -34,6 +35,15 @@ class ChatRequests:
         """Cancel every reply asked for so far; takes effect within one step (remote: the stream is closed, so
         the server frees its blocks)."""
         self.worker.stop(self._requests)
+
+    def new_conversation(self, system_prompt: str | None) -> None:
+        self._new_conversation.emit(system_prompt)
+
+    def open_conversation(self, conv) -> None:
+        self._open_conversation.emit(conv)
+
+    def set_system_prompt(self, system_prompt: str | None) -> None:
+        self._set_system_prompt.emit(system_prompt)
 
 
 class EngineClient(QObject, ChatRequests):
@@ -96,15 +106,6 @@ class EngineClient(QObject, ChatRequests):
     def set_kv_budget(self, mib: float | None) -> None:
         """The most the paged pool grows to (None: one context); applied between turns, as a new cache."""
         self._set_kv_budget.emit(mib)
-
-    def new_conversation(self, system_prompt: str | None) -> None:
-        self._new_conversation.emit(system_prompt)
-
-    def open_conversation(self, conv) -> None:
-        self._open_conversation.emit(conv)
-
-    def set_system_prompt(self, system_prompt: str | None) -> None:
-        self._set_system_prompt.emit(system_prompt)
 
     def shutdown(self) -> None:
         """Cancel, let the worker's current step finish, stop the thread and wait for it."""

@@ -86,15 +86,6 @@ class RemoteClient(QObject, ChatRequests):
     def set_weights(self, _fmt: str) -> None:
         """The server holds its own weights (its --weights): nothing to send."""
 
-    def new_conversation(self, system_prompt: str | None) -> None:
-        self._new_conversation.emit(system_prompt)
-
-    def open_conversation(self, conv) -> None:
-        self._open_conversation.emit(conv)
-
-    def set_system_prompt(self, system_prompt: str | None) -> None:
-        self._set_system_prompt.emit(system_prompt)
-
     def shutdown(self) -> None:
         """Stop the reply in progress, stop polling, and wait for both threads."""
         if not self.thread.isRunning():
