@@ -211,16 +211,16 @@ def gguf_cache_folder(path: Path) -> Path:
 
 
 def gguf_architecture(path: Path) -> str:
-    from gguf import GGUFReader
+    """The file's general.architecture, once its whole header and tensor table are known to be sound."""
+    from engine.gguf_header import GGUFHeaderError, read_gguf_header
 
     try:
-        reader = GGUFReader(str(path))
-        field = reader.fields["general.architecture"]
-        return bytes(field.parts[field.data[0]]).decode()
-    except KeyError:
-        raise ModelLoadError(f"{path} has no general.architecture field; it is not a model GGUF") from None
-    except Exception as e:  # noqa: BLE001 - the reader fails in many ways on damaged files
+        architecture = read_gguf_header(path).metadata.get("general.architecture")
+    except (GGUFHeaderError, OSError, ValueError) as e:
         raise ModelLoadError(f"{path} is not a readable GGUF file (corrupt or truncated?): {e}") from None
+    if not isinstance(architecture, str):
+        raise ModelLoadError(f"{path} has no general.architecture text field; it is not a model GGUF")
+    return architecture
 
 
 def _file_key(path: Path) -> str:

@@ -216,8 +216,6 @@ def test_an_architecture_of_the_wrong_type_gives_a_model_load_error_or_a_string(
     architecture_of(folder, gguf_header([(key, value_type, value)], n_tensors))
 
 
-@pytest.mark.xfail(strict=True, reason="gguf_architecture believes a string length longer than the file: the "
-                   "gguf package's memmap slice comes back short and is decoded (engine/loader.py, being rewritten)")
 @FUZZ
 @given(length=st.sampled_from(HUGE), n_kv=st.sampled_from((1,) + HUGE))
 def test_a_string_or_a_count_longer_than_the_file_gives_a_model_load_error(folder, length, n_kv):

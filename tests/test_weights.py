@@ -63,11 +63,11 @@ def test_gguf_blocks_load_as_the_same_integers(tiny_gguf, name, heads, bits):
     assert torch.equal(weight.dequantize(), file_tensor_dequantized(path, name, heads))
 
 
-def test_a_tiny_gguf_gives_the_logits_transformers_computes_from_the_same_file(tiny_gguf, tokenizer):
+def test_a_tiny_gguf_gives_the_logits_transformers_computes_from_the_same_file(tiny_gguf):
     path, _ = tiny_gguf
     engine = Engine.load(str(path), EngineConfig(cache="paged", weights="float32"))
     hf = LlamaForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    ids = tokenizer.encode("The KV cache keeps keys and values.", add_special_tokens=False)
+    ids = engine.tokenizer.encode("The KV cache keeps keys and values.", add_special_tokens=False)
     engine.cache.prepare(1, ids)
     ours = engine.step([1], [ids], all_logits=True)[0]
     with torch.no_grad():
