@@ -252,9 +252,7 @@ def convert_gguf(path: Path, target: Path, progress: Progress) -> None:
         save_file(stored_tensors(state), str(staging / "model.safetensors"))
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         tokenizer.save_pretrained(str(staging))
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
+        _publish(staging, target)
         shutil.rmtree(target.parent / target.name.removesuffix(f"-{CACHE_LAYOUT}"), ignore_errors=True)  # float32 era
     except ModelLoadError:
         raise
@@ -263,6 +261,20 @@ def convert_gguf(path: Path, target: Path, progress: Progress) -> None:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     progress("converted", 1.0)
+
+
+def _publish(staging: Path, target: Path) -> None:
+    """Staging becomes target; a whole target another process converted meanwhile is kept (the same file, the same
+    key), and only a target without weights (left by an older layout) is replaced."""
+    if (target / "model.safetensors").is_file():
+        return
+    if target.exists():
+        shutil.rmtree(target)
+    try:
+        os.replace(staging, target)
+    except OSError:
+        if not (target / "model.safetensors").is_file():  # a rename that lost a race to an equal folder is fine
+            raise
 
 
 def read_gguf_weights(path: Path, config: dict) -> dict[str, torch.Tensor | QuantizedWeight]:

@@ -368,7 +368,8 @@ def test_adaptive_lookup_keeps_the_output_and_measures_plain_steps_first(tiny_en
 PASSAGE = ("The kettle whistled in the small kitchen while the rain kept falling on the roof. Anna poured the water "
            "over the tea leaves, waited three minutes, and carried two cups to the table by the window, where her "
            "brother was still reading the letter that had arrived that morning from their aunt in Lisbon.")
-REAL_PROMPTS = {"hits": f"Repeat the following text exactly, word for word:\n\n{PASSAGE}",
+# the model copies the passage and then copies it again, with slips: about half the drafts are accepted
+REAL_PROMPTS = {"hits": f"Here is a text:\n\n{PASSAGE}\n\nCopy the text above exactly three times, one per paragraph.",
                 "misses": "Write a short poem about the sea."}
 
 

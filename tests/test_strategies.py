@@ -133,7 +133,8 @@ def engine(default_engine):
 
 @pytest.fixture(scope="module")
 def contiguous_reply(default_engine):
-    """contiguous_reply(history, message) -> (LONG greedy token ids, the messages after the turn), memoized."""
+    """contiguous_reply(history, message) -> (LONG greedy token ids, the messages after the turn), memoized.
+    A first call switches the shared engine to 'contiguous': ask for references before setting up a strategy."""
     replies: dict[tuple, tuple[list[int], list[Message]]] = {}
 
     def get(history: list[Message], message: str) -> tuple[list[int], list[Message]]:
@@ -163,17 +164,17 @@ def test_greedy_256_tokens_are_identical_to_contiguous(engine, contiguous_reply,
 @pytest.mark.default_model
 def test_paged_16_matches_contiguous_on_a_first_turn_and_on_a_second_turn_served_from_the_prefix_cache(
         engine, contiguous_reply):
+    expected_first, history = contiguous_reply([], PROMPTS["story"])  # before the paged turns: it sets the cache
+    expected_second, _ = contiguous_reply(history, SECOND_MESSAGE)
     engine.set_cache("paged", 16)
     conv = engine.new_conversation()
     first = run_turn(engine, conv, PROMPTS["story"], greedy(LONG))
-    expected_first, history = contiguous_reply([], PROMPTS["story"])
     assert first.tokens == expected_first
     assert [(m.role, m.content) for m in conv.messages] == [(m.role, m.content) for m in history]
 
     second = run_turn(engine, conv, SECOND_MESSAGE, greedy(LONG))
     assert second.done.prefix_hit_tokens > first.done.n_prompt_tokens  # the first turn's prompt and more
     assert second.prefill[0].n_tokens == second.done.n_prompt_tokens - second.done.prefix_hit_tokens
-    expected_second, _ = contiguous_reply(history, SECOND_MESSAGE)
     assert second.tokens == expected_second
 
 

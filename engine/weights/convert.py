@@ -4,6 +4,7 @@ and the `auto` choice: the fastest format measured on this machine that meets th
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -122,7 +123,7 @@ def _write_choices(cache_dir: Path | None, choices: dict) -> None:
         return
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = cache_dir / f".{CHOICE_FILE}.tmp"
+        tmp = cache_dir / f".{CHOICE_FILE}.{os.getpid()}.tmp"  # two processes choosing at once never share one
         tmp.write_text(json.dumps(choices, indent=1))
         tmp.replace(cache_dir / CHOICE_FILE)
     except OSError:
