@@ -21,8 +21,9 @@ run: setup
 	@$(VENV)/bin/python -m app.platform_check  # on Linux: a display, and the libraries Qt's xcb plugin needs
 	$(VENV)/bin/python main.py
 
+# one worker per core (at most 4: each may load the default model), each on one torch thread (tests/conftest.py)
 test: setup
-	QT_QPA_PLATFORM=offscreen $(VENV)/bin/python -m pytest -q --durations=10
+	QT_QPA_PLATFORM=offscreen $(VENV)/bin/python -m pytest -q -n auto --maxprocesses=4 --dist worksteal --durations=10
 
 lint: setup
 	$(VENV)/bin/ruff check .

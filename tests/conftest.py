@@ -10,11 +10,18 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs one worker per core: one torch thread each
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 from engine import loader  # noqa: E402
 from engine.config import EngineConfig, ModelConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.model import LlamaModel  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch
+
+    torch.set_num_threads(1)  # in case a plugin imported torch before OMP_NUM_THREADS was set
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
             rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=True)
