@@ -4,6 +4,7 @@ outline, the figures say allocated / used / budget, and the KV budget is a setti
 from __future__ import annotations
 
 from PySide6.QtCore import QSettings
+from test_app_support import HANG_GUARD_MS
 
 from app.block_map import BlockMap, grid_shape
 from app.dialogs import KVBudgetDialog
@@ -75,8 +76,8 @@ def test_the_kv_budget_setting_round_trips_and_zero_means_one_context(qtbot, tmp
 def test_the_window_hands_the_budget_to_the_engine(window, qtbot):
     window.set_kv_budget(0.5)
     engine = window.client.worker.engine
-    qtbot.waitUntil(lambda: engine.config.kv_budget_mib == 0.5)
+    qtbot.waitUntil(lambda: engine.config.kv_budget_mib == 0.5, timeout=HANG_GUARD_MS)
     assert window.settings.kv_budget_mib == 0.5
     assert engine.kv_stats().bytes_budget <= 0.5 * 2**20
     window.set_kv_budget(None)
-    qtbot.waitUntil(lambda: engine.config.kv_budget_mib is None)
+    qtbot.waitUntil(lambda: engine.config.kv_budget_mib is None, timeout=HANG_GUARD_MS)

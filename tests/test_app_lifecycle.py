@@ -7,6 +7,7 @@ import threading
 
 import pytest
 from test_app_support import (
+    HANG_GUARD_MS,
     TURN_TIMEOUT_MS,
     Catch,
     StepProbe,
@@ -94,7 +95,7 @@ def test_a_new_chat_clears_the_view_and_releases_the_blocks(qtbot, window):
 
     assert window.chat.messages == []
     assert stats.args[0].block_states.count(BLOCK_OWN) == 0
-    qtbot.waitUntil(lambda: window.block_map.grid.states.count(BLOCK_OWN) == 0, timeout=5000)
+    qtbot.waitUntil(lambda: window.block_map.grid.states.count(BLOCK_OWN) == 0, timeout=HANG_GUARD_MS)
 
 
 def test_the_window_stays_responsive_during_a_long_generation(qtbot, window):
@@ -152,7 +153,7 @@ def test_a_turn_on_the_default_model_fills_in_its_numbers(qtbot, tmp_path, defau
         assert formula in window.metrics.figures_text and formula in about_html(window.info)
         assert "3× smaller than multi-head" in window.metrics.figures_text
         assert window.block_map.showing_grid
-        qtbot.waitUntil(lambda: window.block_map.grid.states.count(BLOCK_OWN) > 0, timeout=5000)
+        qtbot.waitUntil(lambda: window.block_map.grid.states.count(BLOCK_OWN) > 0, timeout=HANG_GUARD_MS)
         assert len(window.metrics.log.rows) == done.n_generated_tokens  # one prefill step + five decode steps
     finally:
         dispose(window)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 
 import pytest
+from test_app_support import HANG_GUARD_MS
 
 from app.figures import figure_rows
 from app.metrics_panel import MetricsPanel
@@ -154,7 +155,8 @@ def test_tens_of_thousands_of_points_are_kept_and_drawn_downsampled_to_the_plots
 
     assert len(panel.curve("paged", "decode")[0]) == 40_000
     for plot in (panel.latency_plot, panel.memory_plot):
-        qtbot.waitUntil(lambda plot=plot: all(drawn <= bound for _, drawn in drawn_points(plot)))
+        qtbot.waitUntil(lambda plot=plot: all(drawn <= bound for _, drawn in drawn_points(plot)),
+                        timeout=HANG_GUARD_MS)
         assert [held for held, _ in drawn_points(plot)] == ([40_000] if plot is panel.latency_plot else [40_001] * 3)
     panel.add_step(step("decode", 40_600))
     panel.refresh()

@@ -25,7 +25,7 @@ from PySide6.QtWidgets import (
     QTreeView,
 )
 from test_app_metrics import SMOL, step, turn
-from test_app_support import greedy, run_turn, send
+from test_app_support import HANG_GUARD_MS, greedy, run_turn, send
 
 from app.backends.dialog import BackendChoice, BackendDialog
 from app.chat_view import SAMPLE_TEXT
@@ -399,7 +399,7 @@ def test_the_non_native_file_dialog_shows_dark_text_areas_with_readable_text(qtb
     dialog.resize(720, 460)
     dialog.show()
     view = dialog.findChild(QTreeView)
-    qtbot.waitUntil(lambda: view.model().rowCount(view.rootIndex()) >= 3, timeout=5000)
+    qtbot.waitUntil(lambda: view.model().rowCount(view.rootIndex()) >= 3, timeout=HANG_GUARD_MS)
     settle(qtbot)
     dialog.grab().save(str(tmp_path / "file-dialog.png"))
 

@@ -20,6 +20,7 @@ LONG_SYSTEM_PROMPT = (
 )
 TURN_TIMEOUT_MS = 120_000
 HANG_GUARD_S = 60  # how long a helper waits for the other thread before calling it a hang (never a timing bound)
+HANG_GUARD_MS = HANG_GUARD_S * 1000  # qtbot's waits: pytest-qt's default of 5 s is a timing bound on a loaded machine
 
 
 def make_settings(tmp_path) -> AppSettings:

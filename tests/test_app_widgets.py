@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from PySide6.QtCore import Qt, QUrl
 from PySide6.QtGui import QGuiApplication, QTextDocument
+from test_app_support import HANG_GUARD_MS
 
 from app.block_map import BlockMap, grid_shape
 from app.chat_view import ChatView
@@ -103,7 +104,7 @@ def test_a_streaming_reply_grows_token_by_token(qtbot):
         view.append_to_last(piece)
 
     assert view.messages[-1].text == "Hello, world"
-    qtbot.waitUntil(lambda: "world" in view.messages[-1].browser.toPlainText(), timeout=2000)
+    qtbot.waitUntil(lambda: "world" in view.messages[-1].browser.toPlainText(), timeout=HANG_GUARD_MS)
 
 
 def test_the_error_banner_shows_and_dismisses(qtbot):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from PySide6.QtCore import Qt
-from test_app_support import Catch, greedy, run_turn, send, worker_messages
+from test_app_support import HANG_GUARD_MS, Catch, greedy, run_turn, send, worker_messages
 
 from engine.kv.base import BLOCK_OWN
 
@@ -125,7 +125,7 @@ def test_the_plots_receive_one_point_per_step_with_the_engines_figures(qtbot, wi
 
 def test_the_block_map_reflects_the_pool(qtbot, window):
     turn = send(qtbot, window, "Fill some blocks")
-    qtbot.waitUntil(lambda: window.block_map.grid.states == turn.steps[-1].kv.block_states, timeout=5000)
+    qtbot.waitUntil(lambda: window.block_map.grid.states == turn.steps[-1].kv.block_states, timeout=HANG_GUARD_MS)
 
     states = window.block_map.grid.states
     kv = turn.steps[-1].kv

@@ -10,7 +10,7 @@ import gc
 import psutil
 import pytest
 from PySide6.QtCore import QCoreApplication, QEvent
-from test_app_support import dispose, make_settings, open_window, send
+from test_app_support import HANG_GUARD_MS, dispose, make_settings, open_window, send
 
 from engine.config import CACHE_STRATEGIES, SamplingParams
 from engine.events import DoneEvent
@@ -97,7 +97,7 @@ def run_cycles(qtbot, window) -> None:
         send(qtbot, window, "What is a KV cache?")
         window.new_chat()
         window.metrics.clear()  # the plots keep every chat's curves on purpose (~0.2 MB a chat) until cleared
-        qtbot.waitUntil(lambda: not window.snapshot.get("messages"))
+        qtbot.waitUntil(lambda: not window.snapshot.get("messages"), timeout=HANG_GUARD_MS)
         return blocks(window.client.worker.engine)
 
     baseline = cycle()
