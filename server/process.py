@@ -16,6 +16,10 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 
 
+class _PortTaken(RuntimeError):
+    """The server could not bind its port: another process took it first."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -26,15 +30,30 @@ class ServerProcess:
     """with ServerProcess(["--model", folder]) as server: server.url ... (stopped, and waited for, on exit)."""
 
     def __init__(self, args: list[str], api_key: str | None = None, threads: int = 1, log: Path | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        self.args = [*args, "--port", str(self.port), *(["--api-key", api_key] if api_key else [])]
+        self.serve_args = [*args, *(["--api-key", api_key] if api_key else [])]
+        self.use_port(free_port())
         self.env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         self.log = log
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 180.0) -> ServerProcess:
+    def use_port(self, port: int) -> None:
+        self.port, self.url = port, f"http://127.0.0.1:{port}"
+        self.args = [*self.serve_args, "--port", str(port)]
+
+    def start(self, timeout: float = 180.0, attempts: int = 3) -> ServerProcess:
+        """Start and wait for /health; a port taken between free_port() and the server's bind (another process
+        picked it meanwhile) is retried on a new port."""
+        for attempt in range(attempts):
+            try:
+                return self._start_once(timeout)
+            except _PortTaken:
+                if attempt == attempts - 1:
+                    raise
+                self.use_port(free_port())
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float) -> ServerProcess:
         self._own_log = self.log is None
         if self._own_log:  # keep the output somewhere, to quote it if the server does not come up
             fd, name = tempfile.mkstemp(prefix="kvscope-serve-", suffix=".log")
@@ -49,6 +68,8 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 tail = self.output_tail()
                 self.stop()
+                if "address already in use" in tail.lower():
+                    raise _PortTaken(tail)
                 raise RuntimeError(f"the server exited with status {self.proc.returncode} before it was ready:\n"
                                    f"{tail}")
             try:

@@ -46,7 +46,7 @@ def stream_text(client: openai.OpenAI, text: str, max_tokens: int = 12) -> str:
     return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
 
-def wait_until_idle(server, timeout_s: float = 20.0) -> None:
+def wait_until_idle(server, timeout_s: float = 60.0) -> None:
     import time
 
     deadline = time.monotonic() + timeout_s
@@ -240,3 +240,16 @@ def test_metrics_publish_vllm_style_names_and_the_pool(server):
                  "kvscope:kv_cache_bytes_theoretical"):
         assert f"\n{name}" in text, name
     assert 'model_name="tiny"' in text
+
+
+def test_a_port_another_process_took_before_the_server_bound_it_is_retried_on_a_new_port(model_dir):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        server = ServerProcess(["--model", str(model_dir)])
+        server.use_port(taken.getsockname()[1])
+        with server:
+            assert server.port != taken.getsockname()[1]
+            assert httpx.get(server.url + "/health", timeout=60).status_code == 200
