@@ -167,3 +167,54 @@ def test_a_model_converts_to_every_format_and_reports_what_it_holds(tiny_config,
         assert engine.weight_format == fmt
         sizes[fmt] = engine.weights_resident_bytes
     assert sizes["float32"] > sizes["bfloat16"] > sizes["int8"] > sizes["int4"]
+
+
+# ---- auto: the fastest measured format that meets the quality bounds, measured once ---------------------------
+
+
+def test_auto_is_the_fastest_measured_candidate_and_is_remembered_for_this_machine(tmp_path, monkeypatch):
+    from engine.weights import convert
+
+    measured = []
+
+    def measure(shape):
+        measured.append(shape)
+        return {"float32": 90.0, "bfloat16": 50.0, "int8": 10.0, "int4": 30.0}  # int8 is no candidate
+
+    monkeypatch.setattr(convert, "measure_decode_formats", measure)
+    cpu = torch.device("cpu")
+    assert convert.resolve_auto(cpu, (1536, 576), tmp_path) == "int4"
+    assert convert.resolve_auto(cpu, (1536, 576), tmp_path) == "int4" and measured == [(1536, 576)]
+    assert convert.resolve_auto(cpu, (64, 64), tmp_path) == "int4" and len(measured) == 2  # another shape: measured
+    assert convert.resolve_auto(torch.device("cuda"), (64, 64), tmp_path) == "bfloat16"
+    assert [p.name for p in tmp_path.iterdir()] == [convert.CHOICE_FILE]  # no temp file left behind
+
+
+def test_a_damaged_choice_file_is_measured_again_and_rewritten(tmp_path, monkeypatch):
+    from engine.weights import convert
+
+    (tmp_path / convert.CHOICE_FILE).write_text("{ not json")
+    monkeypatch.setattr(convert, "measure_decode_formats", lambda shape: {"float32": 1.0, "bfloat16": 2.0,
+                                                                          "int8": 3.0, "int4": 4.0})
+    assert convert.resolve_auto(torch.device("cpu"), (8, 8), tmp_path) == "float32"
+    assert "float32" in (tmp_path / convert.CHOICE_FILE).read_text()
+
+
+def test_the_real_measurement_times_every_format_on_the_shape_asked():
+    from engine.weights.convert import AUTO_CANDIDATES, measure_decode_formats
+
+    timings = measure_decode_formats((64, 64), repeats=3)
+    assert set(timings) == {"float32", "bfloat16", "int8", "int4"} >= set(AUTO_CANDIDATES)
+    assert all(t > 0 for t in timings.values())
+
+
+def test_a_conversion_finished_meanwhile_by_another_process_is_kept(tmp_path):
+    target, staging = tmp_path / "model-q1", tmp_path / ".converting-x"
+    for folder, text in ((target, "theirs"), (staging, "ours")):
+        folder.mkdir()
+        (folder / "model.safetensors").write_text(text)
+    loader._publish(staging, target)
+    assert (target / "model.safetensors").read_text() == "theirs"
+    (target / "model.safetensors").unlink()  # a folder without weights (an older layout) is replaced
+    loader._publish(staging, target)
+    assert (target / "model.safetensors").read_text() == "ours" and not staging.exists()
