@@ -193,6 +193,33 @@ def test_regenerate_and_edit_in_the_window_replace_the_replys_points(qtbot, wind
     assert regenerated.done and len(window.metrics.log.runs) == 1
 
 
+def test_a_turn_that_fails_mid_reply_takes_its_points_out_of_the_plots_and_the_csv(qtbot, window):
+    first = send(qtbot, window, "First question")
+    window.metrics.refresh()
+    plotted = list(window.metrics.curve("paged", "decode")[0])
+    forwards = []
+
+    def fail_on_the_fifth_forward(_module, _args):
+        forwards.append(1)
+        if len(forwards) == 5:
+            raise RuntimeError("injected fault")
+
+    hook = window.client.worker.engine.model.register_forward_pre_hook(fail_on_the_fifth_forward)
+    try:
+        failed = send(qtbot, window, "Second question", expect_error=True)
+    finally:
+        hook.remove()
+    window.metrics.refresh()
+
+    assert failed.errors and not failed.done and len(failed.steps) == 4  # a prefill and three decode steps
+    assert list(window.metrics.curve("paged", "decode")[0]) == plotted
+    assert len(window.metrics.log.rows) == len(first.steps)
+    again = send(qtbot, window, "Second question")
+    window.metrics.refresh()
+    x, _ = window.metrics.curve("paged", "decode")
+    assert list(x) == plotted + [s.pos for s in again.steps if s.phase == "decode"]
+
+
 # --- item 7: log latency axis; prefills cover nothing --------------------------------------------------------------
 def test_a_slow_series_does_not_squeeze_a_fast_one_flat(qtbot, panel):
     none_steps = [step("decode", p, ms=1000.0 + 5 * (p % 100), strategy="none") for p in range(30, 130)]
