@@ -44,14 +44,12 @@ class ServerProcess:
     def start(self, timeout: float = 180.0, attempts: int = 3) -> ServerProcess:
         """Start and wait for /health; a port taken between free_port() and the server's bind (another process
         picked it meanwhile) is retried on a new port."""
-        for attempt in range(attempts):
+        for _ in range(attempts - 1):
             try:
                 return self._start_once(timeout)
             except _PortTaken:
-                if attempt == attempts - 1:
-                    raise
                 self.use_port(free_port())
-        raise AssertionError("unreachable")
+        return self._start_once(timeout)
 
     def _start_once(self, timeout: float) -> ServerProcess:
         self._own_log = self.log is None
