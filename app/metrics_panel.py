@@ -18,7 +18,7 @@ from PySide6.QtWidgets import QFrame, QScrollArea, QSplitter, QTextBrowser, QVBo
 from app.figures import figure_rows, figures_html
 from app.model_info import ModelInfo
 from app.plots import PlotBox, make_plot, update_headroom
-from app.step_log import Run, StepLog
+from app.step_log import MIB, Run, StepLog
 from app.style import strategy_color
 
 REFRESH_MS = 120  # one part per tick: each plot and the figures redraw about three times per second
@@ -28,9 +28,6 @@ MIN_FIGURES_HEIGHT = 120
 PARTS = ("latency", "memory", "figures")
 LATENCY_ITEMS = ("decode", "prefill", "verify")
 STYLE_GREY = "#8b93a1"
-
-
-MIB = 1024 * 1024
 
 
 def _pen(color: str, width: float = 1.5, style=Qt.PenStyle.SolidLine, alpha: int = 255):

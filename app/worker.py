@@ -81,7 +81,7 @@ class EngineWorker(QObject):
         self._weights = fmt
         if self.engine is None or self.engine.config.weights == fmt:
             return
-        if self._model is not None or getattr(self.engine, "weights_file_bytes", 0):
+        if self._model is not None or self.engine.weights_file_bytes:
             self.load(self._model)
             return
         try:

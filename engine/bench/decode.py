@@ -7,6 +7,7 @@ import torch
 
 from engine.bench import peers, report, roofline
 from engine.bench.common import BenchContext, bar, make_cache, median, random_ids, ratio, status
+from engine.bench.report import weights_row
 
 CONTEXTS = (16, 512, 2048, 4096, 8192)
 QUICK_CONTEXTS = (16, 512, 2048)
@@ -70,10 +71,6 @@ def make_peers(ctx: BenchContext, contexts: list[int], steps: int, pool_tokens: 
     others, more_notes = peers.external_peers(ctx, pool_tokens)
     runners.update({name: (peer, contexts, steps) for name, peer in others.items()})
     return runners, notes + more_notes
-
-
-def weights_row(fmt: str) -> str:
-    return f"paged, {fmt} weights"
 
 
 def kv_bytes_per_token(ctx: BenchContext) -> dict[str, float]:

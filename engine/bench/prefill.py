@@ -6,7 +6,6 @@ from engine.bench import peers, report
 from engine.bench.common import BenchContext, bar, median, random_ids
 
 LENGTHS = (128, 512, 2048)
-FLOAT32_ROW = "paged, float32 weights"
 REPEATS, QUICK_REPEATS = 3, 1
 
 METHOD = (
@@ -22,9 +21,11 @@ def run(ctx: BenchContext, quick: bool) -> dict:
     vocab = ctx.engine.model_config.vocab_size
     others, notes = peers.external_peers(ctx, max(LENGTHS) + 8)
     # a quantized cache changes what decode reads, not the prefill forward: decode and quality measure those
-    runners = {"paged": peers.EnginePeer(ctx.engine, "paged", max(LENGTHS) + 64)}
+    pool_tokens = max(LENGTHS) + 64
+    runners = {"paged": peers.EnginePeer(ctx.engine, "paged", pool_tokens)}
     if ctx.engine.weight_format != "float32":
-        runners[FLOAT32_ROW] = peers.EnginePeer(ctx.engine_with_weights("float32"), "paged", max(LENGTHS) + 64)
+        runners[report.weights_row("float32")] = peers.EnginePeer(ctx.engine_with_weights("float32"), "paged",
+                                                                 pool_tokens)
     runners.update({name: peer for name, peer in others.items() if "cache" not in name})
     notes.insert(0, f"'paged' runs the auto weight format ({ctx.engine.weight_format} here): prefill dequantizes "
                     "each layer's weights once per chunk and multiplies in float32.")

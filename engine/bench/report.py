@@ -36,6 +36,13 @@ PALETTE = {
     "engine paged-int8 vs paged": "#bcbd22",
     "transformers fp8 cache vs dynamic": "#e377c2",
 }
+
+
+def weights_row(fmt: str) -> str:
+    """The name of the row that runs the paged cache with the weights in `fmt` (decode and prefill)."""
+    return f"paged, {fmt} weights"
+
+
 EXTRA_COLORS = ("#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5")
 
 

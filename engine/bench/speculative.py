@@ -69,7 +69,7 @@ def run(ctx: BenchContext, quick: bool) -> dict:
     return {"method": METHOD.replace("REPLY", str(reply_tokens)), "strategies": list(strategies),
             "reply_tokens": reply_tokens, "min_overlap": MIN_OVERLAP, "candidates": len(candidates),
             "results": results, "targets": TARGETS,
-            "weights": str(getattr(ctx.engine, "weight_format", None) or getattr(ctx.engine.config, "weights", None))}
+            "weights": ctx.engine.weight_format}
 
 
 # ---- the workload

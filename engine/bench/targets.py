@@ -6,7 +6,7 @@ import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.bench.report import fmt, md_table, pct, section
+from engine.bench.report import fmt, md_table, pct, section, weights_row
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ def concurrency_targets(r: dict) -> list[Target]:
 # ---- prefill and the weights' memory
 def prefill_targets(r: dict) -> list[Target]:
     tok = r.get("tokens_per_s", {})
-    paged, f32, llama = (_get(tok, name, "512") for name in ("paged", "paged, float32 weights", "llama.cpp"))
+    paged, f32, llama = (_get(tok, name, "512") for name in ("paged", weights_row("float32"), "llama.cpp"))
     w = r.get("weights") or {}
     out = [_check("prefill at 512: auto weights / float32 weights (tok/s)", _div(paged, f32), ">=", 0.8, "x",
                   f"{fmt(paged)} vs {fmt(f32)} tokens/s: {w.get('format')} weights are dequantized once per layer "
