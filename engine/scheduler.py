@@ -17,14 +17,26 @@ cache serves its leading blocks (same system prompt -> shared blocks). When a st
 the most recently admitted request is preempted: its blocks are released (its full blocks stay cached), and it
 waits at the head of the queue to be recomputed, so a running request is never failed for lack of blocks. A
 cancelled request releases its blocks at the next tick boundary (the step in flight cannot be interrupted).
+
+Several choices of one prompt (`submit_group`, OpenAI's `n`): only the first request of the group is queued and
+prefilled; when its prompt is computed, the others fork its cache (the paged pool shares every block, one more
+reference each, and the partly filled last block is copied before a choice writes into it), and every choice
+samples its first token from the same logits. The prompt's KV is held once. A cache without `fork`
+(paged-int8), or a full batch, queues the other choices as requests of their own (the prefix cache still serves
+the prompt's full blocks). Until the fork the choices share a fate: the first one's cancellation or failure ends
+them all.
+
+Observers (`add_observer`) see every output on the engine thread, including those of requests whose consumer went
+away: that is where the server counts finished requests and observes latencies.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -33,6 +45,8 @@ from engine.config import ConfigError, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv.base import KVCacheFull, KVStats
 from engine.sampler import Sampler
+
+LogitsAdjust = Callable  # (logits [V], generated token ids) -> logits [V]: penalties, biases, masks
 
 
 @dataclass
@@ -61,6 +75,10 @@ class Output:
     prefix_hit_tokens: int = 0
     ttft_s: float | None = None  # on the first token: seconds since the request was submitted
     itl_s: float | None = None  # on later tokens: seconds since the previous token
+    logprob: float | None = None  # of token_id, from the model's raw logits (when the request asked for them)
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # the most likely tokens at this position, best first
+    e2e_s: float | None = None  # on the last output: seconds since the request was submitted
+    queue_s: float | None = None  # on the last output: seconds it waited before it was first admitted
 
     @property
     def finished(self) -> bool:
@@ -80,6 +98,7 @@ class SchedulerStats:
     num_finished: int = 0
     num_steps: int = 0
     peak_running: int = 0
+    finished_by_reason: tuple[tuple[str, int], ...] = ()  # (finish_reason, requests), sorted
 
 
 class StopStrings:
@@ -119,8 +138,13 @@ class Request:
     num_computed: int = 0  # leading tokens whose keys and values the cache holds
     prefix_hit: int = 0
     submitted: float = 0.0
+    admitted_at: float | None = None  # the first admission (or fork): the end of its queue time
     last_token_at: float | None = None
     counted: bool = False  # prompt tokens counted in the stats
+    finished: bool = False
+    logprobs: int | None = None  # None: none asked; k: the chosen token's and the k most likely tokens'
+    adjust: LogitsAdjust | None = None
+    followers: list[Request] = field(default_factory=list)  # the group's other choices, forked after prefill
 
     @property
     def num_generated(self) -> int:
@@ -164,6 +188,8 @@ class Scheduler:
         self._cancels: set[int] = set()
         self._counts = dict(prompt_tokens=0, generation_tokens=0, prefix_queries=0, prefix_hits=0,
                             num_preemptions=0, num_finished=0, num_steps=0, peak_running=0)
+        self._finished_by_reason: Counter[str] = Counter()
+        self._observers: list[Callable[[Output], None]] = []
         self._stats = SchedulerStats()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -177,21 +203,39 @@ class Scheduler:
 
     # ---- any thread
     def submit(self, prompt: list[int], params: SamplingParams, sink: Callable[[Output], None],
-               stop: tuple[str, ...] = ()) -> int:
-        """Queue a request; its outputs go to sink(output) on the engine thread. Raises PromptTooLong."""
+               stop: tuple[str, ...] = (), logprobs: int | None = None, adjust: LogitsAdjust | None = None) -> int:
+        """Queue a request; its outputs go to sink(output) on the engine thread. Raises PromptTooLong.
+        logprobs=k: each token's output carries its log-probability and the k most likely tokens'; adjust:
+        applied to the logits before sampling (not to the log-probabilities, which are the model's own)."""
+        return self.submit_group(prompt, [params], sink, stop, logprobs, adjust)[0]
+
+    def submit_group(self, prompt: list[int], params: list[SamplingParams], sink: Callable[[Output], None],
+                     stop: tuple[str, ...] = (), logprobs: int | None = None, adjust: LogitsAdjust | None = None
+                     ) -> list[int]:
+        """len(params) choices of one prompt, prefilled once (see the module docstring); -> their ids."""
         limit = self.engine.max_context
         if not prompt or len(prompt) >= limit:
             raise PromptTooLong(f"the prompt has {len(prompt)} tokens; the context holds {limit} "
                                 f"(at least one must be left for the reply)")
-        e = self.engine
-        req = Request(next(self._ids), list(prompt), params, sink, Sampler(params, e.device),
-                      IncrementalDetokenizer(e.tokenizer), StopStrings(tuple(stop)),
-                      frozenset(params.stop_token_ids or e.stop_token_ids), list(prompt),
-                      submitted=time.perf_counter())
+        if not params:
+            raise ValueError("a group needs at least one choice")
+        leader, *followers = [self._new_request(prompt, p, sink, stop, logprobs, adjust) for p in params]
+        leader.followers = followers
         with self._lock:
-            self._inbox.append(req)
+            self._inbox.append(leader)
             self._lock.notify()
-        return req.id
+        return [leader.id] + [f.id for f in followers]
+
+    def _new_request(self, prompt, params, sink, stop, logprobs, adjust) -> Request:
+        e = self.engine
+        return Request(next(self._ids), list(prompt), params, sink, Sampler(params, e.device),
+                       IncrementalDetokenizer(e.tokenizer), StopStrings(tuple(stop)),
+                       frozenset(params.stop_token_ids or e.stop_token_ids), list(prompt),
+                       submitted=time.perf_counter(), logprobs=logprobs, adjust=adjust)
+
+    def add_observer(self, observer: Callable[[Output], None]) -> None:
+        """observer(output) for every output of every request, on the engine thread, before its sink."""
+        self._observers.append(observer)
 
     def cancel(self, request_id: int) -> None:
         """Stop a request and release its blocks at the next tick boundary (no-op when it has finished)."""
@@ -245,6 +289,12 @@ class Scheduler:
             new, self._inbox = self._inbox, []
             cancels, self._cancels = self._cancels, set()
         self.waiting.extend(new)
+        if not cancels:
+            return
+        for leader in (*self.running, *self.waiting):
+            for f in [f for f in leader.followers if f.id in cancels]:
+                leader.followers.remove(f)
+                self._finish(f, "cancelled")
         for req in [r for r in (*self.running, *self.waiting) if r.id in cancels]:
             self._finish(req, "cancelled")
 
@@ -257,6 +307,7 @@ class Scheduler:
                 return
             self.waiting.popleft()
             req.num_computed = req.prefix_hit = hit
+            req.admitted_at = req.admitted_at or time.perf_counter()
             self._count_admission(req, hit)
             self.running.append(req)
 
@@ -326,9 +377,48 @@ class Scheduler:
             for i, (req, feed) in enumerate(zip(batch, feeds)):
                 req.num_computed += len(feed)
                 if req.remaining == 0:
-                    self._accept(req, req.sampler(logits[i], req.tokens))
+                    followers, req.followers = req.followers, []
+                    room = self.config.max_concurrency - len(self.running)
+                    forked = [k < room and self._fork(req, f) for k, f in enumerate(followers)]  # before req ends
+                    self._accept(req, *self._sample(req, logits[i]))
+                    for f, ok in zip(followers, forked):
+                        self._start_follower(f, ok, logits[i])
 
-    def _accept(self, req: Request, token: int) -> None:
+    def _sample(self, req: Request, row) -> tuple[int, dict]:
+        """row: [V] logits -> (token, the log-probability fields of its output)."""
+        adjusted = row if req.adjust is None else req.adjust(row, req.tokens[len(req.prompt):])
+        token = req.sampler(adjusted, req.tokens)
+        return token, ({} if req.logprobs is None else token_logprobs(row, token, req.logprobs))
+
+    # ---- the other choices of a group
+    def _fork(self, leader: Request, f: Request) -> bool:
+        """Whether f now holds the leader's prompt by sharing its blocks (a batch with room, a cache that forks)."""
+        if not hasattr(self.cache, "fork"):
+            return False
+        try:
+            self.cache.fork(leader.id, f.id)
+        except (NotImplementedError, KVCacheFull):
+            self.cache.release(f.id)
+            return False
+        return True
+
+    def _start_follower(self, f: Request, forked: bool, row) -> None:
+        f.counted, f.admitted_at = True, time.perf_counter()  # the prompt is the leader's: counted once
+        self._accept(f, *self._sample(f, row))
+        if f.finished:
+            return
+        if forked:
+            try:  # copy-on-write of the shared partial block, before f writes its first token into it
+                f.num_computed = self.cache.prepare(f.id, f.tokens)
+                self.running.append(f)
+                return
+            except KVCacheFull:
+                self.cache.release(f.id)
+        f.num_computed = 0
+        self.waiting.appendleft(f)  # recomputed when admitted; the prefix cache serves the prompt's full blocks
+
+    def _accept(self, req: Request, token: int, logprob: dict | None = None) -> None:
+        """logprob: the token's log-probability fields, on its output (a stop token has no output of its own)."""
         now = time.perf_counter()
         timing = dict(ttft_s=now - req.submitted) if req.last_token_at is None else dict(itl_s=now - req.last_token_at)
         req.last_token_at = now
@@ -338,13 +428,14 @@ class Scheduler:
         req.tokens.append(token)
         self._counts["generation_tokens"] += 1
         text, stopped = req.stops.feed(req.detok.add(token))
+        fields = dict(token_id=token, **timing, **(logprob or {}))
         if stopped:
-            self._finish(req, "stop", text=text, token_id=token, **timing)
+            self._finish(req, "stop", text=text, **fields)
         elif req.num_generated >= req.params.max_new_tokens or len(req.tokens) >= self.engine.max_context:
             self._finish(req, "length", text=text + req.stops.feed(req.detok.flush())[0] + req.stops.flush(),
-                         token_id=token, **timing)
+                         **fields)
         else:
-            self._emit(req, self._output(req, text=text, token_id=token, **timing))
+            self._emit(req, self._output(req, text=text, **fields))
 
     def _finish(self, req: Request, reason: str, error: str | None = None, **fields) -> None:
         if req in self.running:
@@ -352,10 +443,21 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.cache.release(req.id)
+        req.finished = True
         self._counts["num_finished"] += 1
-        self._emit(req, self._output(req, finish_reason=reason, error=error, **fields))
+        self._finished_by_reason[reason] += 1
+        now = time.perf_counter()
+        queued = (req.admitted_at or now) - req.submitted
+        self._emit(req, self._output(req, finish_reason=reason, error=error, e2e_s=now - req.submitted,
+                                     queue_s=queued, **fields))
+        followers, req.followers = req.followers, []
+        for f in followers:  # never forked: they end as the first choice did
+            self._finish(f, reason, error)
 
     def _emit(self, req: Request, output: Output) -> None:
+        for observe in self._observers:
+            with contextlib.suppress(Exception):  # an observer never stops a request
+                observe(output)
         try:
             req.sink(output)
         except Exception:  # noqa: BLE001 - a consumer that went away cancels its request, nothing else
@@ -367,4 +469,15 @@ class Scheduler:
                       prefix_hit_tokens=req.prefix_hit, **fields)
 
     def _publish_stats(self) -> None:
-        self._stats = SchedulerStats(len(self.running), len(self.waiting), self.cache.stats(), **self._counts)
+        self._stats = SchedulerStats(len(self.running), len(self.waiting), self.cache.stats(), **self._counts,
+                                     finished_by_reason=tuple(sorted(self._finished_by_reason.items())))
+
+
+def token_logprobs(logits, token: int, k: int) -> dict:
+    """logits: [V] -> the output fields: the chosen token's log-probability and the k most likely tokens'."""
+    logp = logits.float().log_softmax(-1)
+    fields = {"logprob": float(logp[token])}
+    if k:
+        values, ids = logp.topk(min(k, logp.numel()))
+        fields["top_logprobs"] = tuple(zip(ids.tolist(), values.tolist()))
+    return fields
