@@ -2,7 +2,15 @@
 block pool's own figures.
 
 Counters and gauges are read from the scheduler's latest published stats at scrape time (no engine call, no
-lock held across a forward); the two latency histograms are observed as outputs reach the HTTP layer.
+lock held across a forward). The histograms are observed on the engine thread as the scheduler emits each output
+(an observer), so a request whose client went away is counted too.
+
+`request_success_total` is labelled `finished_reason` as vLLM's: `stop`, `length`, `abort` (cancelled: the client
+went away or stopped it, or the server shut down) and `error` (failed). Per-request histograms, vLLM's names:
+`e2e_request_latency_seconds`, `request_queue_time_seconds` (submitted -> first admitted),
+`request_prompt_tokens`, `request_generation_tokens`, and `time_per_output_token_seconds` (every gap between two
+tokens of a request, the same observations as `inter_token_latency_seconds`, as in vLLM where it is the older
+name). Each choice of an `n > 1` request is a request here.
 """
 
 from __future__ import annotations
@@ -17,6 +25,21 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                   480.0, 960.0, 1920.0, 7680.0)  # vLLM's, for e2e and queue time
+FINISHED_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}  # ours -> vLLM's
+
+
+def one_two_five_buckets(limit: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to limit (vLLM's token-count buckets)."""
+    out, exp = [], 0
+    while True:
+        for m in (1, 2, 5):
+            value = m * 10**exp
+            if value > limit:
+                return tuple(out)
+            out.append(float(value))
+        exp += 1
 
 
 class _SchedulerCollector:
@@ -41,9 +64,17 @@ class _SchedulerCollector:
             ("prefix_cache_hits", "Prompt tokens the prefix cache held.", s.prefix_hits),
             ("num_preemptions", "Requests preempted (blocks released, recomputed later) when the pool was full.",
              s.num_preemptions),
-            ("request_success", "Requests finished (any reason).", s.num_finished),
         ):
             yield self._family(CounterMetricFamily, name, doc, value)
+        finished = dict.fromkeys(FINISHED_REASONS.values(), 0)
+        for reason, count in s.finished_by_reason:
+            finished[FINISHED_REASONS.get(reason, reason)] += count
+        family = CounterMetricFamily(PREFIX + "request_success", "Requests finished, by finished_reason (stop, "
+                                     "length, abort = cancelled, error = failed).",
+                                     labels=["model_name", "finished_reason"])
+        for reason, count in finished.items():
+            family.add_metric([self.model, reason], count)
+        yield family
 
     def _gauges(self, s):
         kv = s.kv
@@ -73,20 +104,41 @@ class _SchedulerCollector:
 
 
 class ServerMetrics:
-    def __init__(self, scheduler: Scheduler, model: str):
+    """Observes every output of the scheduler (registered as its observer) into the histograms."""
+
+    def __init__(self, scheduler: Scheduler, model: str, max_context: int = 8192):
         self.model = model
         self.registry = CollectorRegistry()
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.", ["model_name"],
-                              buckets=TTFT_BUCKETS, registry=self.registry).labels(model)
-        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between two tokens of a request.",
-                             ["model_name"], buckets=ITL_BUCKETS, registry=self.registry).labels(model)
+        tokens = one_two_five_buckets(max_context)
+        self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = self._histogram("inter_token_latency_seconds", "Time between two tokens of a request.",
+                                   ITL_BUCKETS)
+        self.tpot = self._histogram("time_per_output_token_seconds", "Time per output token (every gap between "
+                                    "two tokens of a request; vLLM's older name for the inter-token latency).",
+                                    ITL_BUCKETS)
+        self.e2e = self._histogram("e2e_request_latency_seconds", "Seconds from a request's arrival to its end.",
+                                   REQUEST_BUCKETS)
+        self.queue = self._histogram("request_queue_time_seconds", "Seconds a request waited before it was first "
+                                     "admitted to the running batch.", REQUEST_BUCKETS)
+        self.prompt = self._histogram("request_prompt_tokens", "Prompt tokens per finished request.", tokens)
+        self.generation = self._histogram("request_generation_tokens", "Generated tokens per finished request.",
+                                          tokens)
         self.registry.register(_SchedulerCollector(scheduler, model))
+        scheduler.add_observer(self.observe)
+
+    def _histogram(self, name: str, doc: str, buckets) -> Histogram:
+        return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets, registry=self.registry
+                         ).labels(self.model)
 
     def observe(self, out: Output) -> None:
-        if out.ttft_s is not None:
-            self.ttft.observe(out.ttft_s)
-        if out.itl_s is not None:
-            self.itl.observe(out.itl_s)
+        for histogram, value in ((self.ttft, out.ttft_s), (self.itl, out.itl_s), (self.tpot, out.itl_s)):
+            if value is not None:
+                histogram.observe(value)
+        if out.finished and out.e2e_s is not None:
+            self.e2e.observe(out.e2e_s)
+            self.queue.observe(out.queue_s or 0.0)
+            self.prompt.observe(out.n_prompt_tokens)
+            self.generation.observe(out.n_generated_tokens)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

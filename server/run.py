@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from engine.config import EngineConfig
@@ -13,6 +14,7 @@ def run_serve(args) -> int:
 
     from engine.engine import Engine
     from server.app import create_app
+    from server.limits import DEFAULT_MAX_BODY_BYTES, JSONErrorH11Protocol
 
     try:
         weights = {"weights": args.weights} if getattr(args, "weights", None) else {}  # default: the engine's auto
@@ -26,12 +28,19 @@ def run_serve(args) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"kvscope serve: warning: listening on {args.host} without --api-key: anyone who can reach this "
               f"port can use the model", file=sys.stderr)
-    app = create_app(scheduler, engine.model_name, args.api_key)
+    try:
+        max_body = int(os.environ.get("KVSCOPE_MAX_BODY_BYTES") or getattr(args, "max_body_bytes", None)
+                       or DEFAULT_MAX_BODY_BYTES)
+    except ValueError:
+        print("kvscope serve: KVSCOPE_MAX_BODY_BYTES must be a number of bytes", file=sys.stderr)
+        return 1
+    app = create_app(scheduler, engine.model_name, args.api_key, max_body_bytes=max_body)
     scheduler.start()
     print(f"kvscope: serving {engine.model_name} ({engine.cache_strategy}, block size {engine.block_size}, "
           f"context {engine.max_context}) on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2,
+                    http=JSONErrorH11Protocol)
     finally:
         scheduler.close()
     return 0
