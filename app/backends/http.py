@@ -96,11 +96,12 @@ def list_models(client: httpx.Client, url: str, api_key: str | None) -> list[Rem
 
 
 def fetch_server_kv(client: httpx.Client, url: str, api_key: str | None) -> ServerKV | None:
-    """The server's KV figures, or None when it publishes no /metrics (or cannot be reached right now)."""
+    """The server's KV figures; None when it publishes no /metrics; ServerKV(reachable=False) when it cannot be
+    reached right now."""
     try:
         response = client.get(f"{base_url(url)}/metrics", headers=headers(api_key), timeout=CONNECT_TIMEOUT_S)
     except NETWORK_ERRORS:
-        return None
+        return ServerKV(reachable=False)
     return server_kv(response.text) if response.status_code == 200 else None
 
 

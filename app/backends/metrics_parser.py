@@ -73,6 +73,7 @@ class ServerKV:
     bytes_allocated: float | None = None
     bytes_used: float | None = None
     bytes_theoretical: float | None = None
+    reachable: bool = True  # False: the server did not answer at all (every figure then unknown)
 
     @property
     def prefix_hit_rate(self) -> float | None:

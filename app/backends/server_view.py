@@ -21,6 +21,8 @@ def server_rows(kv: ServerKV | None, model: str = "", url: str = "") -> list[tup
     where = f"{model} at {url}" if model else url
     if kv is None:
         return [("Server", where or "–", "no /metrics from the server: its KV figures are unavailable")]
+    if not kv.reachable:
+        return [("Server", "unreachable", f"no answer from {url or 'the server'}: its KV figures are unavailable")]
     not_published = f"{kv.flavour or 'this server'} does not publish it"
     rows = [("Server", f"{kv.flavour or 'unknown'} server", where)]
     usage = f"{kv.kv_usage:.1%}" if kv.kv_usage is not None else UNAVAILABLE
@@ -47,6 +49,8 @@ def server_rows(kv: ServerKV | None, model: str = "", url: str = "") -> list[tup
 
 
 def status_text(kv: ServerKV | None) -> str:
+    if kv is not None and not kv.reachable:
+        return "server unreachable"
     if kv is None or kv.kv_usage is None:
         return "server KV unavailable"
     return f"server KV {kv.kv_usage:.0%}"
