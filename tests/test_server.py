@@ -224,6 +224,7 @@ def test_an_api_key_guards_every_route_but_health(model_dir):
             assert_error(httpx.get(server.url + "/v1/models", headers=headers, timeout=10), 401)
             assert_error(httpx.get(server.url + "/metrics", headers=headers, timeout=10), 401)
         assert post(server, ok, server.headers()).status_code == 200
+        assert post(server, ok, {"Authorization": "bearer s3cret"}).status_code == 200  # the scheme in any case
         keyed = openai.OpenAI(base_url=server.url + "/v1", api_key="s3cret", max_retries=0)
         assert keyed.chat.completions.create(model=MODEL, messages=ask("hi"), max_tokens=2).choices
         with pytest.raises(openai.AuthenticationError):
@@ -240,6 +241,22 @@ def test_metrics_publish_vllm_style_names_and_the_pool(server):
                  "kvscope:kv_cache_bytes_theoretical"):
         assert f"\n{name}" in text, name
     assert 'model_name="tiny"' in text
+
+
+def test_serve_limits_the_body_and_answers_unparsable_http_in_json(model_dir):
+    import socket
+
+    server = ServerProcess(["--model", str(model_dir)])
+    server.env["KVSCOPE_MAX_BODY_BYTES"] = "10000"
+    with server:
+        big = {"model": MODEL, "messages": ask("hi"), "user": "x" * 20_000}
+        assert_error(post(server, big), 413, "request_too_large")
+        assert post(server, {"model": MODEL, "messages": ask("hi"), "max_tokens": 1}).status_code == 200
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+            s.sendall(b"NOT HTTP\r\n\r\n")
+            answer = s.makefile("rb").read()
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400") and json.loads(body)["error"]["code"] == "invalid_http_request"
 
 
 def test_a_port_another_process_took_before_the_server_bound_it_is_retried_on_a_new_port(model_dir):
