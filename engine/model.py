@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import kernels
 from engine.config import ConfigError, ModelConfig
 from engine.kv.base import StepView
 from engine.weights.formats import QuantizedWeight
@@ -80,6 +81,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+def fused_ops(x: torch.Tensor):
+    """kvscope's compiled kernels for float32 activations on the CPU (engine/kernels), else None: plain torch."""
+    return kernels.ops() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -87,10 +93,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = fused_ops(x)
+        if ops is not None:
+            return ops.rms_norm(x.contiguous(), self.weight, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
         normed = F.rms_norm(x.float(), x.shape[-1:], None, self.eps)
         return self.weight * normed.to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """The residual stream x += delta (in place), then its norm."""
+        ops = fused_ops(x)
+        if ops is not None and x.is_contiguous():
+            return ops.add_rms_norm(x, delta.contiguous(), self.weight, self.eps)
+        x.add_(delta)
+        return self(x)
 
 
 class Attention(nn.Module):
@@ -103,11 +120,20 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, view: StepView, layer: int) -> torch.Tensor:
         b, t, _ = x.shape
         d, hq, hkv = self.head_dim, self.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj(x).view(b, t, hq + 2 * hkv, d).transpose(1, 2)  # [B, Hq+2Hkv, T, D]
-        q, k, v = qkv.split([hq, hkv, hkv], dim=1)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = view.attend(layer, q, k, v.contiguous())  # [B, Hq, T, D]
+        q, k, v = self.rotated_qkv(self.qkv_proj(x), cos, sin)  # [B, H, T, D] each
+        out = view.attend(layer, q, k, v)  # [B, Hq, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, hq * d))
+
+    def rotated_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> list[torch.Tensor]:
+        """qkv: [B, T, (Hq+2Hkv)*D]; cos, sin: [B, 1, T, D] -> q [B, Hq, T, D], k, v [B, Hkv, T, D], rotary on
+        q and k (one fused op where the kernels run)."""
+        b, t, _ = qkv.shape
+        d, hq, hkv = self.head_dim, self.num_heads, self.num_kv_heads
+        ops = fused_ops(qkv)
+        if ops is not None:
+            return ops.rope_qkv(qkv.contiguous(), cos[:, 0], sin[:, 0], hq, hkv)
+        q, k, v = qkv.view(b, t, hq + 2 * hkv, d).transpose(1, 2).split([hq, hkv, hkv], dim=1)
+        return [apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v.contiguous()]
 
 
 class MLP(nn.Module):
@@ -118,7 +144,11 @@ class MLP(nn.Module):
         self.down_proj = placeholder(c.hidden_size, c.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        ops = fused_ops(gate_up)
+        if ops is not None:
+            return self.down_proj(ops.silu_mul(gate_up.contiguous()))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -130,9 +160,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x, cos, sin, view: StepView, layer: int) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, view, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, normed, cos, sin, view: StepView, layer: int, next_norm: RMSNorm) -> torch.Tensor:
+        """x: the residual stream [B, T, H], updated in place; normed: x through this layer's input norm.
+        Returns x through next_norm (the next layer's input norm, or the final norm)."""
+        normed = self.post_attention_layernorm.add_and_norm(x, self.self_attn(normed, cos, sin, view, layer))
+        return next_norm.add_and_norm(x, self.mlp(normed))
 
 
 class LlamaModel(nn.Module):
@@ -179,14 +211,16 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, view: StepView, all_logits: bool = False) -> torch.Tensor:
         """input_ids: [B, T] (right-padded to view.n_new) -> logits [B, V] of each last token, or [B, T, V]."""
-        x = self.embed_tokens(input_ids)  # [B, T, H]
+        x = self.embed_tokens(input_ids).contiguous()  # [B, T, H], the residual stream
         cos, sin = self.rotary(view.positions, x.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, view, i)
+        normed = self.layers[0].input_layernorm(x)
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for i, (layer, next_norm) in enumerate(zip(self.layers, norms)):
+            normed = layer(x, normed, cos, sin, view, i, next_norm)
         if not all_logits:
             last = torch.tensor(view.n_new, device=x.device) - 1
-            x = x[torch.arange(x.shape[0], device=x.device), last]  # [B, H]
-        return self.lm_head(self.norm(x)).float()
+            normed = normed[torch.arange(x.shape[0], device=x.device), last]  # [B, H]
+        return self.lm_head(normed).float()
 
     @classmethod
     def from_hf_state_dict(cls, config: ModelConfig, state: dict[str, Weight],

@@ -2,13 +2,13 @@
 
 A step of the model runs through a `StepView`: the strategy is told which sequences advance and by how many
 tokens, reserves room for them, and gives the model an `attend(layer, q, k, v)` that writes the new keys and
-values where the strategy keeps them and attends over everything the sequence holds.
+values where the strategy keeps them and attends over everything the sequence holds, through the one attention
+routine of engine/kv/attention.py.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,28 +40,6 @@ class KVStats:
 BLOCK_FREE, BLOCK_OWN, BLOCK_OTHER, BLOCK_CACHED = 0, 1, 2, 3
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
-    """Causal grouped-query attention of one sequence.
-
-    q: [1, Hq, T, D]; k, v: [1, Hkv, S, D] with every key valid; q_pos: [1, T] absolute positions of the
-    queries (keys sit at positions 0..S-1). Returns [1, Hq, T, D].
-    """
-    b, hq, t, d = q.shape
-    hkv, s = k.shape[1], k.shape[2]
-    group = hq // hkv
-    if t == 1:
-        # decode: the G query heads of a group share keys, so fold them into the query length
-        out = torch.nn.functional.scaled_dot_product_attention(q.view(b, hkv, group, d), k, v)
-        return out.view(b, hq, 1, d)
-    if group > 1:
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-    if t == s:
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-    mask = torch.arange(s, device=q.device)[None, :] <= q_pos[0, :, None]  # [T, S]
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-
 class StepView(ABC):
     """One forward step over a batch of sequences, each advancing by n_new[i] tokens (right-padded)."""
 
@@ -77,20 +55,6 @@ class StepView(ABC):
     @abstractmethod
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [B, Hq, T, D]; k, v: [B, Hkv, T, D] for the new tokens -> [B, Hq, T, D]."""
-
-    def attend_each(self, q: torch.Tensor, keys_values: Callable[[int], tuple[torch.Tensor, torch.Tensor]]):
-        """Attention of each sequence over its own held keys and values (no padding to a common length).
-
-        keys_values(i) -> k, v: [Hkv, kv_len[i], D]. q: [B, Hq, T, D] -> [B, Hq, T, D].
-        """
-        if len(self.seq_ids) == 1:
-            k, v = keys_values(0)
-            return attention(q, k[None], v[None], self.positions)
-        out = torch.zeros_like(q)
-        for i, n in enumerate(self.n_new):
-            k, v = keys_values(i)
-            out[i:i + 1, :, :n] = attention(q[i:i + 1, :, :n], k[None], v[None], self.positions[i:i + 1, :n])
-        return out
 
 
 class KVCache(ABC):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.kv.attention import KeyMap, attend
 from engine.kv.base import KVCache, KVCacheFull, KVStats, StepView
 from engine.kv.paged import common_prefix_length
 
@@ -31,18 +32,14 @@ class ContiguousView(StepView):
     def __init__(self, cache: ContiguousCache, seq_ids, past, n_new):
         super().__init__(seq_ids, past, n_new, cache.device)
         self.buffers = [cache.reservations[s] for s in seq_ids]
+        self.keys = KeyMap.one_store_each([buf.capacity for buf in self.buffers], past, n_new, cache.device)
 
     def attend(self, layer, q, k, v):
-        self.layer = layer
         for i, buf in enumerate(self.buffers):
             start, end = self.past[i], self.kv_len[i]
             buf.k[layer, :, start:end] = k[i, :, : end - start]
             buf.v[layer, :, start:end] = v[i, :, : end - start]
-        return self.attend_each(q, self._held)
-
-    def _held(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        buf, end = self.buffers[i], self.kv_len[i]
-        return buf.k[self.layer, :, :end], buf.v[self.layer, :, :end]  # [Hkv, S_i, D]
+        return attend(q, [buf.k[layer] for buf in self.buffers], [buf.v[layer] for buf in self.buffers], self.keys)
 
 
 class ContiguousCache(KVCache):

@@ -6,10 +6,9 @@ o = b - start(c), and the token at position p of a sequence in slot o * block_si
 chunk, for b = block_table[p // block_size]. Growth appends a chunk and never moves a block; trailing chunks
 whose blocks are all free are given back when a sequence is released.
 
-Reading: the tokens a sequence holds in one chunk are a slice of it when their blocks are consecutive (no
-copy), otherwise gathered. A sequence within one chunk attends exactly as over a single tensor; one spread
-over several chunks attends over the pieces in place (scores per piece, one softmax), without copying them
-into one tensor.
+Attention reads every sequence of a step in place through its block table, in one call per layer
+(engine/kv/attention.py): the keys are summed in position order whatever the block size or the chunks, so a
+pool that grew, a block size of 1 or 64 and a contiguous cache give the same bits.
 """
 
 from __future__ import annotations
@@ -28,8 +27,8 @@ from engine.kv.base import (
     KVCacheFull,
     KVStats,
     StepView,
-    attention,
 )
+from engine.kv.attention import KeyMap, attend
 from engine.kv.block_pool import BlockPool
 from engine.kv.chunks import FIRST_CHUNK_TOKENS, MAX_CHUNK_TOKENS, ChunkLayout, Piece
 
@@ -61,13 +60,8 @@ class PagedView(StepView):
                         torch.tensor(g.sources, device=dev)) for g in cache.layout.write_groups(tables, past, n_new)]
         width = max(n_new)
         self.valid_index = torch.tensor([i * width + j for i, n in enumerate(n_new) for j in range(n)], device=dev)
-        self.reads = [cache.read_plan(t, length, masked=n > 1) for t, length, n in zip(tables, self.kv_len, n_new)]
-        self.views = self._slice_views()
-
-    def _slice_views(self) -> list[list[tuple]]:
-        """Per sequence and piece, the per-layer views of a slice piece, made once for the whole step."""
-        return [[self.cache.piece_views(piece, alone=len(plan.pieces) == 1) for piece in plan.pieces]
-                for plan in self.reads]
+        block_store, block_start = cache.block_map()
+        self.keys = KeyMap.build(tables, block_store, block_start, cache.block_size, past, n_new, dev)
 
     def new_tokens_flat(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, H, T, D] -> [H, N, D] holding only the valid (unpadded) new tokens."""
@@ -83,73 +77,16 @@ class PagedView(StepView):
             keys, values = c.layers[chunk][0][layer], c.layers[chunk][1][layer]  # [Hkv, chunk slots, D]
             keys.index_copy_(1, slots, new_k if sources is None else new_k.index_select(1, sources))
             values.index_copy_(1, slots, new_v if sources is None else new_v.index_select(1, sources))
-        return self.attend_pieces(q, lambda i: self._pieces(layer, i))
-
-    def _pieces(self, layer: int, i: int) -> list[tuple]:
-        """Sequence i's pieces at this layer: (k, k transposed or None, v); a slice is a view made at the step's
-        start, a gather reads now (after this layer's write)."""
-        return [self._piece_at(layer, piece, views) for piece, views in zip(self.reads[i].pieces, self.views[i])]
-
-    def _piece_at(self, layer: int, piece: tuple, views: tuple) -> tuple:
-        k, k_t, v = views
-        if v is None:
-            return self.cache.gather_piece(layer, piece)
-        return None if k is None else k[layer], None if k_t is None else k_t[layer], v[layer]
-
-    def attend_pieces(self, q: torch.Tensor, pieces_of) -> torch.Tensor:
-        """Like attend_each, for keys and values in pieces: pieces_of(i) -> [(k [Hkv, S_p, D], k transposed
-        [Hkv, D, S_p] or None, v [Hkv, S_p, D])]. One piece in position order: plain attention over it."""
-        def one(i: int, q_i: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
-            pieces, k_pos = pieces_of(i), self.reads[i].key_positions
-            if len(pieces) == 1 and k_pos is None:
-                k = pieces[0][0] if pieces[0][0] is not None else pieces[0][1].mT
-                return attention(q_i, k[None], pieces[0][2][None], q_pos)
-            return attention_over_pieces(q_i, pieces, q_pos, k_pos)
-
-        if len(self.seq_ids) == 1:
-            return one(0, q, self.positions)
-        out = torch.zeros_like(q)
-        for i, n in enumerate(self.n_new):
-            out[i:i + 1, :, :n] = one(i, q[i:i + 1, :, :n], self.positions[i:i + 1, :n])
-        return out
+        return attend(q, c.layer_stores(0, layer), c.layer_stores(1, layer), self.keys)
 
 
 @dataclass
 class ReadPlan:
     """Where a sequence's held tokens are: pieces (one per chunk touched), and the position of each key in
-    piece order when that is not 0..S-1 and the step needs it for its causal mask (None otherwise)."""
+    piece order when that is not 0..S-1 (None otherwise)."""
 
     pieces: list[tuple[int, slice | torch.Tensor]]  # (chunk, slots in the chunk)
     key_positions: torch.Tensor | None = None  # [S]
-
-
-def attention_over_pieces(q: torch.Tensor, pieces: list[tuple], q_pos: torch.Tensor,
-                          k_pos: torch.Tensor | None) -> torch.Tensor:
-    """Causal grouped-query attention of one sequence whose keys and values lie in several pieces, read in
-    place: the scores of each piece, one softmax over all of them, the values of each piece weighted by it.
-
-    q: [1, Hq, T, D]; pieces: (k [Hkv, S_p, D], k transposed [Hkv, D, S_p], v [Hkv, S_p, D]), one of the
-    two keys possibly None;
-    q_pos: [1, T]; k_pos: [S] the position of each key in piece order (None: 0..S-1). Returns [1, Hq, T, D].
-    """
-    _, hq, t, d = q.shape
-    hkv = pieces[0][2].shape[0]
-    queries = q.reshape(hkv, hq // hkv * t, d) * d ** -0.5  # [Hkv, G*T, D]: a group's query heads share keys
-    scores = torch.cat([torch.bmm(queries, k.mT if k_t is None else k_t) for k, k_t, _ in pieces], dim=-1)
-    if t > 1:  # scores: [Hkv, G*T, S]
-        s = scores.shape[-1]
-        k_pos = torch.arange(s, device=q.device) if k_pos is None else k_pos
-        hidden = k_pos[None, :] > q_pos[0, :, None]  # [T, S]
-        scores.view(hkv, -1, t, s).masked_fill_(hidden, float("-inf"))
-    if q.dtype == torch.float32:
-        probs = torch.softmax(scores, dim=-1)
-    else:  # half precision: the softmax in float32
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    weights = probs.split([v.shape[1] for _, _, v in pieces], dim=-1)
-    out = torch.bmm(weights[0], pieces[0][2])  # [Hkv, G*T, D]
-    for w, (_, _, v) in zip(weights[1:], pieces[1:]):
-        out.baddbmm_(w, v)
-    return out.view(1, hq, t, d)
 
 
 def take(store: torch.Tensor, index: torch.Tensor | slice) -> torch.Tensor:
@@ -176,6 +113,7 @@ class PagedCache(KVCache):
         self.seqs: dict[int, Sequence] = {}
         self.chunks: list[list[torch.Tensor]] = []  # per chunk: its storage tensors, see _chunk_tensors
         self.layers: list[list[tuple[torch.Tensor, ...]]] = []  # per chunk and storage tensor: its per-layer views
+        self._block_map: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _max_blocks(self, pool_tokens: int | None, budget_bytes: int | None) -> int:
         """The budget in blocks: pool_tokens and budget_bytes where given, else one context's worth."""
@@ -252,21 +190,19 @@ class PagedCache(KVCache):
         chunk, slots = piece
         return take(self.layers[chunk][0][layer], slots), take(self.layers[chunk][1][layer], slots)
 
-    def piece_views(self, piece: tuple[int, slice | torch.Tensor], alone: bool = True) -> tuple:
-        """A slice piece's keys (alone: the sequence's only piece) or keys transposed (one of several pieces),
-        and its values, as per-layer views (tuples of L), made in a few ops for a whole step instead of a few
-        per layer; (None, None, None) for a gathered piece."""
-        chunk, slots = piece
-        if not isinstance(slots, slice):
-            return None, None, None
-        keys, values = self.chunks[chunk][0][:, :, slots], self.chunks[chunk][1][:, :, slots]  # [L, Hkv, S_p, D]
-        if alone:
-            return keys.unbind(0), None, values.unbind(0)
-        return None, keys.mT.unbind(0), values.unbind(0)
+    def layer_stores(self, which: int, layer: int) -> list[torch.Tensor]:
+        """Storage tensor `which` of every chunk at one layer: [Hkv, chunk slots, D] (or its scales)."""
+        return [by_chunk[which][layer] for by_chunk in self.layers]
 
-    def gather_piece(self, layer: int, piece: tuple[int, torch.Tensor]) -> tuple:
-        keys, values = self.read_piece(layer, piece)
-        return keys, None, values
+    def block_map(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per block id: its chunk and the slot of its first token there, int32 [num_blocks] each; made again
+        only when the pool grows or gives chunks back."""
+        if self._block_map is None or self._block_map[0].numel() != self.layout.num_blocks:
+            chunk_of, starts, bs = self.layout.chunk_of, self.layout.starts, self.block_size
+            offsets = [(b - starts[c]) * bs for b, c in enumerate(chunk_of)]
+            self._block_map = (torch.tensor(chunk_of, dtype=torch.int32, device=self.device),
+                               torch.tensor(offsets, dtype=torch.int32, device=self.device))
+        return self._block_map
 
     # ---- preparing a sequence: reuse what is held, or what the prefix cache has
     def prepare(self, seq_id, token_ids):

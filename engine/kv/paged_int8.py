@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from engine import kernels
 from engine.kv import quant
+from engine.kv.attention import KeyMap, attend
 from engine.kv.paged import PagedCache, PagedView, ReadPlan, Sequence, take
 
 
@@ -18,21 +20,31 @@ def pick(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
 
 
 class Int8View(PagedView):
+    _dequantized_keys: KeyMap | None = None  # the pure PyTorch path's map: one store per sequence
+
     def attend(self, layer, q, k, v):
         c = self.cache
         for i, seq_id in enumerate(self.seq_ids):
             c.store(layer, self.tables[i], c.windows[seq_id], self.past[i], k[i, :, : self.n_new[i]],
                     v[i, :, : self.n_new[i]])
-        return self.attend_pieces(q, lambda i: [self._dequantized(layer, i)])
+        ops = kernels.ops() if q.device.type == "cpu" and c.dtype == torch.float32 else None
+        if ops is None:
+            return self._attend_dequantized(layer, q)
+        windows = [c.windows[s] for s in self.seq_ids]  # [2, L, Hkv, block_size, D] each
+        return ops.attention_int8(q.contiguous(), *(c.layer_stores(i, layer) for i in range(4)),
+                                  [w[0, layer] for w in windows], [w[1, layer] for w in windows],
+                                  self.keys.table, self.keys.block_store, self.keys.block_start, c.block_size,
+                                  self.keys.q_pos)
 
-    def _slice_views(self) -> None:
-        return None  # int8 pieces are dequantized into scratch, layer by layer
-
-    def _dequantized(self, layer: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        c, length = self.cache, self.kv_len[i]
-        keys, values = c.workspace(length)  # [Hkv, S, D] each, full precision, in the plan's key order
-        c.dequantize_into(layer, self.reads[i], c.windows[self.seq_ids[i]], length, keys, values)
-        return keys, None, values
+    def _attend_dequantized(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """The pure PyTorch path: each sequence's keys and values dequantized in position order, then the one
+        attention routine over them (one store per sequence)."""
+        c = self.cache
+        held = [c.read_keys_values(layer, table, c.windows[s], n)
+                for s, table, n in zip(self.seq_ids, self.tables, self.kv_len)]
+        if self._dequantized_keys is None:
+            self._dequantized_keys = KeyMap.one_store_each(self.kv_len, self.past, self.n_new, c.device)
+        return attend(q, [k for k, _ in held], [v for _, v in held], self._dequantized_keys)
 
 
 class PagedInt8Cache(PagedCache):
@@ -42,7 +54,6 @@ class PagedInt8Cache(PagedCache):
         super().__init__(*args, **kwargs)
         self.bytes_per_element = 1
         self.windows: dict[int, torch.Tensor] = {}
-        self._workspace = torch.zeros((), dtype=self.dtype, device=self.device)
 
     def _chunk_tensors(self, num_blocks: int, device) -> list[torch.Tensor]:
         """int8 keys and values [L, Hkv, slots, D]; key scales [L, Hkv, blocks, D]; value scales [L, Hkv, slots]."""
@@ -52,16 +63,6 @@ class PagedInt8Cache(PagedCache):
         k_scale = torch.zeros(shape[:2] + (num_blocks, c.head_dim), dtype=quant.SCALE_DTYPE, device=device)
         v_scale = torch.zeros(shape[:3], dtype=quant.SCALE_DTYPE, device=device)
         return [k, v, k_scale, v_scale]
-
-    def workspace(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scratch buffers, reused across sequences, layers and steps, that held keys and values are
-        dequantized into: [Hkv, length, D] each. Scratch for one attention call, not cache storage."""
-        if self._workspace.dim() == 0 or self._workspace.shape[2] < length:
-            c = self.config
-            capacity = max(length, min(max(length, 256) * 2, self.max_context))
-            shape = (2, c.num_kv_heads, capacity, c.head_dim)
-            self._workspace = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        return self._workspace[0, :, :length], self._workspace[1, :, :length]
 
     def _new_window(self) -> torch.Tensor:
         c = self.config
@@ -186,7 +187,7 @@ class PagedInt8Cache(PagedCache):
 
     def bytes_allocated(self) -> int:
         windows = sum(w.nbytes for w in self.windows.values())
-        return super().bytes_allocated() + windows + self._workspace.nbytes
+        return super().bytes_allocated() + windows
 
     def stats(self, seq_id=None):
         stats = super().stats(seq_id)

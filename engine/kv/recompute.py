@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from engine.kv.attention import KeyMap, attend
 from engine.kv.base import KVCache, KVStats, StepView
 
 
 class RecomputeView(StepView):
+    def __init__(self, seq_ids, past, n_new, device):
+        super().__init__(seq_ids, past, n_new, device)
+        self.keys = KeyMap.one_store_each([max(n_new)] * len(seq_ids), past, n_new, device)
+
     def attend(self, layer, q, k, v):
-        # q: [B, Hq, T, D]; k, v: [B, Hkv, T, D] hold the whole sequence
-        return self.attend_each(q, lambda i: (k[i, :, : self.n_new[i]], v[i, :, : self.n_new[i]]))
+        # q: [B, Hq, T, D]; k, v: [B, Hkv, T, D] hold the whole sequence: each sequence's own store
+        return attend(q, list(k.unbind(0)), list(v.unbind(0)), self.keys)
 
 
 class RecomputeCache(KVCache):

@@ -1,7 +1,10 @@
 """Projection modules, one per weight format. Each picks its kernel per phase:
 
-- decode (a few rows: one token, or a speculative verify step): a weight-only kernel that reads the small
-  weights directly (torch's `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu`, bfloat16 activations);
+- decode (a few rows: one token, a speculative verify step, a batch of sequences): kvscope's own kernels
+  (engine/kernels) over the weights' own integers, activations quantized to int8 in blocks of 32 as llama.cpp
+  does, one fixed order of operations per output, so a row's result never depends on the other rows; where the
+  kernels cannot be built, torch's weight-only kernels (`_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu`,
+  bfloat16 activations);
 - prefill (many rows): the layer's weights dequantized once to float32 for this call, then a float32 matmul,
   which on CPU is several times faster for many rows than any weight-only kernel we measured.
 
@@ -14,9 +17,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import kernels
 from engine.weights.formats import QuantizedWeight
 
 DECODE_ROWS = 16  # up to this many rows go through the decode kernel
+
+
+def compiled_ops(*tensors: torch.Tensor):
+    """kvscope's compiled kernels when every tensor is on the CPU and they are built, else None."""
+    return kernels.ops() if all(t.device.type == "cpu" for t in tensors) else None
 
 
 class WeightLinear(nn.Module):
@@ -61,8 +70,15 @@ class FloatLinear(WeightLinear):
         self.register_buffer("weight", weight)
         self.format_name = str(weight.dtype).removeprefix("torch.")
         self.kernel_name = f"torch.mm ({self.format_name})"
+        self.ops = compiled_ops(weight) if weight.dtype in (torch.float32, torch.bfloat16) else None
+        if self.ops is not None and weight.shape[1] % 8 == 0 and weight.is_contiguous():
+            self.kernel_name = f"kvscope.float_linear ({self.format_name} weights, float32 activations)"
+        else:
+            self.ops = None
 
     def decode(self, x):
+        if self.ops is not None and x.device.type == "cpu":
+            return self.ops.float_linear(x.float().contiguous(), self.weight)
         return F.linear(x.to(self.weight.dtype), self.weight)
 
     def dense(self, dtype):
@@ -73,53 +89,62 @@ class FloatLinear(WeightLinear):
 
 
 class Int8Linear(WeightLinear):
-    """Symmetric int8 codes with one scale per output channel (one kernel call), or per group of K (from
-    GGUF's Q8_0: the same integers, one kernel call per group, summed)."""
+    """Symmetric int8 codes with one scale per output channel, or per group of K (GGUF's Q8_0: the same
+    integers). kvscope's kernel reads codes [N, K] and scales [N, G] in one call; torch's fallback kernel takes
+    one call per group of K, summed."""
 
     format_name = "int8"
 
     def __init__(self, q: QuantizedWeight):
         super().__init__(*q.shape)
         self.group_size = q.group_size
-        n, k = q.shape
+        self.register_buffer("codes", q.codes.contiguous())  # [N, K] int8
+        self.register_buffer("scales", q.scales.contiguous())  # [N, G] float16
+        self.ops = compiled_ops(q.codes) if self.in_features % 32 == 0 and self.group_size % 32 == 0 else None
+        if self.ops is not None:
+            self.kernel_name = "kvscope.int8_linear (int8 activations in blocks of 32)"
+        else:
+            self._prepare_torch_kernel()
+
+    def _prepare_torch_kernel(self) -> None:
+        n, k = self.out_features, self.in_features
         groups = k // self.group_size
-        # codes: [G, N, g] so that each group is a contiguous [N, g] matrix for the kernel
-        self.register_buffer("codes", q.codes.view(n, groups, self.group_size).transpose(0, 1).contiguous())
-        self.register_buffer("scales", q.scales.t().contiguous())  # [G, N] float16
+        # grouped: [G, N, g] so that each group is a contiguous [N, g] matrix for torch's kernel
+        self.register_buffer("grouped", self.codes.view(n, groups, self.group_size).transpose(0, 1).contiguous())
         # the kernel multiplies by a bfloat16 scale and rounds its output to bfloat16; the float32 scale is applied
         # after it instead, so each channel's scale keeps its float16 precision: [G, N]
-        self.register_buffer("kernel_scales", torch.ones_like(self.scales, dtype=torch.bfloat16))
-        self.register_buffer("float_scales", self.scales.float())
+        self.register_buffer("kernel_scales", torch.ones(groups, n, dtype=torch.bfloat16))
+        self.register_buffer("float_scales", self.scales.t().float().contiguous())
         self.kernel_name = pick_int8_kernel(self)
 
     def decode(self, x):
+        if self.ops is not None and x.device.type == "cpu":
+            return self.ops.int8_linear(x.float().contiguous(), self.codes, self.scales)
         if self.kernel_name.startswith("dequantize"):
             return self.prefill(x)
         xb = x.to(torch.bfloat16)
         out = self._group_product(xb, 0)
-        for g in range(1, self.codes.shape[0]):  # one call per group of K: y = sum_g s_g * (q_g x_g)
+        for g in range(1, self.grouped.shape[0]):  # one call per group of K: y = sum_g s_g * (q_g x_g)
             out.add_(self._group_product(xb, g))
         return out
 
     def _group_product(self, xb: torch.Tensor, g: int) -> torch.Tensor:
         """s_g * (q_g x_g): xb [M, K] bfloat16 -> [M, N] float32."""
-        part = xb[:, g * self.group_size:(g + 1) * self.group_size] if self.codes.shape[0] > 1 else xb
-        return torch.ops.aten._weight_int8pack_mm(part, self.codes[g], self.kernel_scales[g]).float() \
+        part = xb[:, g * self.group_size:(g + 1) * self.group_size] if self.grouped.shape[0] > 1 else xb
+        return torch.ops.aten._weight_int8pack_mm(part, self.grouped[g], self.kernel_scales[g]).float() \
             .mul_(self.float_scales[g])
 
     def dense(self, dtype):
         return self.quantized().dequantize(dtype)
 
     def rows(self, index, dtype):
-        codes = self.codes[:, index]  # [G, ..., g]
-        scales = self.scales[:, index].to(dtype)[..., None]
-        w = codes.to(dtype) * scales  # [G, ..., g]
-        return w.movedim(0, -2).flatten(-2)
+        n, k = self.out_features, self.in_features
+        codes = self.codes[index].to(dtype)  # [..., K]
+        scales = self.scales[index].to(dtype)[..., None]  # [..., G, 1]
+        return (codes.view(*codes.shape[:-1], -1, self.group_size) * scales).flatten(-2)
 
     def quantized(self) -> QuantizedWeight:
-        n, k = self.out_features, self.in_features
-        codes = self.codes.transpose(0, 1).reshape(n, k)
-        return QuantizedWeight(8, codes, self.scales.t().contiguous())
+        return QuantizedWeight(8, self.codes, self.scales)
 
 
 class Int4Linear(WeightLinear):
@@ -140,7 +165,10 @@ class Int4Linear(WeightLinear):
         self.register_buffer("packed", None)
         self.register_buffer("scale_zero", None)
         self.kernel_name = "dequantize + torch.mm"
-        if q.codes.device.type == "cpu":
+        self.ops = compiled_ops(q.codes) if self.in_features % 32 == 0 else None
+        if self.ops is not None:
+            self.kernel_name = "kvscope.int4_linear (int8 activations in blocks of 32)"
+        elif q.codes.device.type == "cpu":
             self._pack_for_cpu_kernel(q)
 
     def _pack_for_cpu_kernel(self, q: QuantizedWeight) -> None:
@@ -164,6 +192,8 @@ class Int4Linear(WeightLinear):
         return self.out_features, self.in_features
 
     def decode(self, x):
+        if self.ops is not None and x.device.type == "cpu":
+            return self.ops.int4_linear(x.float().contiguous(), self.plain_codes, self.scales, self.minimums)
         if self.packed is None:
             return self.prefill(x)
         xb = x.to(torch.bfloat16)

@@ -1,0 +1,61 @@
+"""kvscope's own CPU kernels (cpu_kernels.cpp), built once per machine with torch's extension loader.
+
+They serve a decode step: int4 / int8 projections over the weights' own integers (activations quantized to int8
+in blocks of 32, as llama.cpp does), an RMS norm, and one attention routine over any KV layout. Each output row
+is computed with one fixed order of operations whatever the batch, so the results are batch-invariant.
+
+`ops()` returns the loaded ops, or None when they cannot be built (no C++ compiler, another device, or
+KVSCOPE_KERNELS=torch): the engine then runs its pure PyTorch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+NAME = "kvscope_cpu_kernels"
+
+
+def build_dir() -> Path:
+    from engine.loader import cache_root  # late: the loader imports the weights, which import this module
+
+    tag = f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}".replace("+", "_")
+    path = cache_root() / "kernels" / tag
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def wanted() -> bool:
+    """KVSCOPE_KERNELS=torch turns the compiled kernels off (the pure PyTorch path; the tests run both)."""
+    return os.environ.get("KVSCOPE_KERNELS", "auto") != "torch"
+
+
+@functools.cache
+def _load() -> object | None:
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(
+            NAME, [str(SOURCE)], build_directory=str(build_dir()), is_python_module=False, verbose=False,
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-DNDEBUG"], extra_ldflags=["-fopenmp"],
+        )
+        return torch.ops.kvscope
+    except Exception as error:  # noqa: BLE001 - any build failure: the pure PyTorch path, said once
+        print(f"kvscope: compiled CPU kernels unavailable ({type(error).__name__}: {str(error)[:200]}); "
+              "using the pure PyTorch path", file=sys.stderr)
+        return None
+
+
+def ops() -> object | None:
+    """The compiled ops (torch.ops.kvscope), or None."""
+    return _load() if wanted() else None
+
+
+def available() -> bool:
+    return ops() is not None
+

@@ -1,0 +1,785 @@
+// kvscope's CPU kernels: a decode step's matmuls over quantized weights and its attention over any KV layout.
+//
+// Every result row is computed by one thread with one fixed order of operations, whatever the number of rows,
+// the batch, the thread count, the cache layout or its block size: the kernels are batch-invariant by
+// construction. Built at first use by torch.utils.cpp_extension (engine/kernels/__init__.py) with the host's
+// instruction set; the AVX2 paths are used where the compiler targets AVX2, a scalar path elsewhere.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define KVSCOPE_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t QK = 32;  // activations are quantized to int8 in blocks of 32, as GGUF's Q8 blocks
+
+#ifdef __F16C__
+inline float half_to_float(uint16_t bits) { return _cvtsh_ss(bits); }
+#else
+inline float half_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
+#endif
+
+// ---------------------------------------------------------------- activations -> int8 blocks
+// x: [M, K] float -> xq [M, K] int8, xd [M, K/32] block scales, xs [M, K/32] = scale * sum of the block's codes
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k) {
+  QuantizedRows r;
+  int64_t nb = k / QK;
+  r.q.resize(m * k);
+  r.d.resize(m * nb);
+  r.s.resize(m * nb);
+  for (int64_t i = 0; i < m * nb; ++i) {
+    const float* src = x + i * QK;
+    float amax = 0.f;
+    for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(src[j]));
+    float d = amax / 127.f;
+    float id = d > 0.f ? 1.f / d : 0.f;
+    int sum = 0;
+    for (int j = 0; j < QK; ++j) {
+      int v = static_cast<int>(std::nearbyint(src[j] * id));
+      r.q[i * QK + j] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    r.d[i] = d;
+    r.s[i] = d * static_cast<float>(sum);
+  }
+  return r;
+}
+
+#ifdef KVSCOPE_AVX2
+inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+// unsigned codes (0..15 or |w|) times signed activations, summed in pairs then in fours -> 8 int32 as floats
+inline __m256 dot_u8_s8(__m256i u, __m256i s) {
+  __m256i pairs = _mm256_maddubs_epi16(u, s);
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+#endif
+
+int64_t grain_for(int64_t n) { return std::max<int64_t>(64, n / (4 * std::max(1, at::get_num_threads()))); }
+
+// ---------------------------------------------------------------- quantized weights, one row at a time
+// A weight row is read once, as one stream (prefetched ahead), and multiplied with every activation row; each
+// output y[m, n] accumulates its blocks in block order in its own accumulator, so it never depends on M.
+constexpr int64_t MAX_ROWS = 16;  // activation rows per call (the decode batch); more go through prefill
+constexpr int64_t PREFETCH = 2048;  // bytes ahead of the weight row being read
+
+// float16 row -> float32 (scales, minimums of one weight row)
+inline void halves_to_floats(const uint16_t* src, float* dst, int64_t n) {
+  int64_t j = 0;
+#ifdef KVSCOPE_AVX2
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j))));
+#endif
+  for (; j < n; ++j) dst[j] = half_to_float(src[j]);
+}
+
+// sum of a[j] * b[j] in a fixed order (8 lanes, then the lanes; the tail after them)
+inline float dot_floats(const float* a, const float* b, int64_t n) {
+  int64_t j = 0;
+  float tail = 0.f;
+#ifdef KVSCOPE_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc);
+  tail = hsum(acc);
+#endif
+  for (; j < n; ++j) tail += a[j] * b[j];
+  return tail;
+}
+
+#ifdef KVSCOPE_AVX2
+// the 32 codes of activation block `sub` (0 or 1) of group gi of an int4 row
+inline __m256i int4_block(const uint8_t* crow, int64_t g, int64_t gi, int64_t sub) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  if (g == 32) {
+    __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(crow + gi * 16));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), low);
+  }
+  __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(crow + gi * 32));
+  return _mm256_and_si256(sub ? _mm256_srli_epi16(bytes, 4) : bytes, low);
+}
+
+// int8 block of a weight row times an int8 activation block: 8 partial sums as floats
+inline __m256 dot_s8_s8(__m256i w, __m256i x) { return dot_u8_s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)); }
+#endif
+
+inline int int4_code(const uint8_t* crow, int64_t g, int64_t gi, int64_t pos) {  // pos within the group
+  const uint8_t* gb = crow + gi * (g / 2);
+  return pos < g / 2 ? (gb[pos] & 15) : (gb[pos - g / 2] >> 4);
+}
+
+// one int4 row (codes crow, float scales dw / minimums mw per group) times M activation rows -> out[i * n]
+template <int M, int G>
+inline void int4_row(const uint8_t* crow, const float* dw, const float* mw, int64_t k, const QuantizedRows& x,
+                     const float* xsg, int64_t m, float* out, int64_t n) {
+  constexpr int64_t g = G, sub = G / QK;
+  int64_t groups = k / g, nb = k / QK;
+  const int8_t* xq = x.q.data();
+  const float* xd = x.d.data();
+  int64_t rows = M > 0 ? M : m;
+#ifdef KVSCOPE_AVX2
+  __m256 acc[M > 0 ? M : MAX_ROWS];
+  for (int64_t i = 0; i < rows; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    if ((gi * g / 2) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(crow + gi * (g / 2) + PREFETCH), _MM_HINT_T0);
+    for (int64_t s = 0; s < sub; ++s) {
+      int64_t b = gi * sub + s;
+      __m256i cw = int4_block(crow, g, gi, s);
+      for (int64_t i = 0; i < rows; ++i) {
+        __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * k + b * QK));
+        acc[i] = _mm256_fmadd_ps(dot_u8_s8(cw, xv), _mm256_set1_ps(dw[gi] * xd[i * nb + b]), acc[i]);
+      }
+    }
+  }
+  for (int64_t i = 0; i < rows; ++i) out[i * n] = hsum(acc[i]) + dot_floats(mw, xsg + i * groups, groups);
+#else
+  for (int64_t i = 0; i < rows; ++i) {
+    float total = 0.f;
+    for (int64_t gi = 0; gi < groups; ++gi)
+      for (int64_t s = 0; s < sub; ++s) {
+        int64_t b = gi * sub + s;
+        int isum = 0;
+        for (int j = 0; j < QK; ++j) isum += int4_code(crow, g, gi, s * QK + j) * x.q[i * k + b * QK + j];
+        total += dw[gi] * x.d[i * nb + b] * static_cast<float>(isum);
+      }
+    out[i * n] = total + dot_floats(mw, xsg + i * groups, groups);
+  }
+#endif
+}
+
+// int4 weights: w = code * scale + minimum. codes: [N, K/2] uint8, per group of g (32 or 64) byte j = code j |
+// code j + g/2 << 4 (GGUF's Q4_0 / Q4_1 order); scales, minimums: [N, K/g] float16.
+// y[m, n] = sum over blocks b: d_w * d_x[b] * (codes . xq) + sum over groups: min_w * (d_x * sum of xq).
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       const at::Tensor& minimums) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] float32");
+  int64_t m = x.size(0), k = x.size(1), n = codes.size(0);
+  int64_t groups = scales.size(1), g = k / groups;
+  TORCH_CHECK(m <= MAX_ROWS, "int4_linear takes at most 16 rows");
+  TORCH_CHECK(k % QK == 0 && (g == 32 || g == 64) && codes.size(1) * 2 == k, "int4: K % 32 and groups of 32/64");
+  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && minimums.is_contiguous(), "contiguous weights");
+  auto rows = quantize_rows(x.data_ptr<float>(), m, k);
+  std::vector<float> xsg(m * groups, 0.f);  // per activation row and weight group: d_x * sum of xq
+  int64_t sub = g / QK;
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t b = 0; b < k / QK; ++b) xsg[i * groups + b / sub] += rows.s[i * (k / QK) + b];
+  auto y = at::empty({m, n}, x.options());
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const uint16_t* mn = reinterpret_cast<const uint16_t*>(minimums.data_ptr<at::Half>());
+  float* out = y.data_ptr<float>();
+  at::parallel_for(0, n, grain_for(n), [&](int64_t n0, int64_t n1) {
+    std::vector<float> dw(groups), mw(groups);
+    for (int64_t row = n0; row < n1; ++row) {
+      halves_to_floats(sc + row * groups, dw.data(), groups);
+      halves_to_floats(mn + row * groups, mw.data(), groups);
+      const uint8_t* crow = c + row * (k / 2);
+      if (g == 32)
+        (m == 1 ? int4_row<1, 32> : int4_row<0, 32>)(crow, dw.data(), mw.data(), k, rows, xsg.data(), m, out + row, n);
+      else
+        (m == 1 ? int4_row<1, 64> : int4_row<0, 64>)(crow, dw.data(), mw.data(), k, rows, xsg.data(), m, out + row, n);
+    }
+  });
+  return y;
+}
+
+template <int M>
+inline void int8_row(const int8_t* crow, const float* dw, int64_t k, int64_t per, const QuantizedRows& x, int64_t m,
+                     float* out, int64_t n) {
+  int64_t nb = k / QK, rows = M > 0 ? M : m;
+#ifdef KVSCOPE_AVX2
+  __m256 acc[M > 0 ? M : MAX_ROWS];
+  for (int64_t i = 0; i < rows; ++i) acc[i] = _mm256_setzero_ps();
+  const int8_t* xq = x.q.data();
+  const float* xd = x.d.data();
+  for (int64_t b = 0; b < nb; ++b) {
+    if (b % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(crow + b * QK + PREFETCH), _MM_HINT_T0);
+    __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(crow + b * QK));
+    for (int64_t i = 0; i < rows; ++i) {
+      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * k + b * QK));
+      acc[i] = _mm256_fmadd_ps(dot_s8_s8(w, xv), _mm256_set1_ps(dw[b / per] * xd[i * nb + b]), acc[i]);
+    }
+  }
+  for (int64_t i = 0; i < rows; ++i) out[i * n] = hsum(acc[i]);
+#else
+  for (int64_t i = 0; i < rows; ++i) {
+    float total = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      int isum = 0;
+      for (int j = 0; j < QK; ++j) isum += crow[b * QK + j] * x.q[i * k + b * QK + j];
+      total += dw[b / per] * x.d[i * nb + b] * static_cast<float>(isum);
+    }
+    out[i * n] = total;
+  }
+#endif
+}
+
+// int8 weights: w = code * scale. codes: [N, K] int8; scales: [N, K/g] float16 for groups of g (a multiple of
+// 32; g = K: one scale per row).
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] float32");
+  int64_t m = x.size(0), k = x.size(1), n = codes.size(0);
+  int64_t groups = scales.size(1), g = k / groups;
+  TORCH_CHECK(m <= MAX_ROWS, "int8_linear takes at most 16 rows");
+  TORCH_CHECK(k % QK == 0 && g % QK == 0 && codes.size(1) == k, "int8: K and the group a multiple of 32");
+  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous(), "contiguous weights");
+  auto rows = quantize_rows(x.data_ptr<float>(), m, k);
+  auto y = at::empty({m, n}, x.options());
+  const int8_t* c = codes.data_ptr<int8_t>();
+  const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  float* out = y.data_ptr<float>();
+  at::parallel_for(0, n, grain_for(n), [&](int64_t n0, int64_t n1) {
+    std::vector<float> dw(groups);
+    for (int64_t row = n0; row < n1; ++row) {
+      halves_to_floats(sc + row * groups, dw.data(), groups);
+      if (m == 1)
+        int8_row<1>(c + row * k, dw.data(), k, g / QK, rows, m, out + row, n);
+      else
+        int8_row<0>(c + row * k, dw.data(), k, g / QK, rows, m, out + row, n);
+    }
+  });
+  return y;
+}
+
+// ---------------------------------------------------------------- float32 / bfloat16 weights
+template <typename T> float dot_any(const float* q, const T* k, int64_t d);
+
+// y[m, n] = w[n] . x[m], each a dot product over K in one fixed order (8 lanes, then the lanes' sum)
+template <typename T>
+at::Tensor float_linear_impl(const at::Tensor& x, const at::Tensor& w) {
+  int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  auto y = at::empty({m, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const T* wp = w.data_ptr<T>();
+  float* out = y.data_ptr<float>();
+  at::parallel_for(0, n, grain_for(n), [&](int64_t n0, int64_t n1) {
+    for (int64_t row = n0; row < n1; ++row)
+      for (int64_t i = 0; i < m; ++i) out[i * n + row] = dot_any<T>(xp + i * k, wp + row * k, k);
+  });
+  return y;
+}
+
+at::Tensor float_linear(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] float32");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1) && x.size(1) % 8 == 0,
+              "w must be [N, K] contiguous, K a multiple of 8");
+  if (w.scalar_type() == at::kFloat) return float_linear_impl<float>(x, w);
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16, "w must be float32 or bfloat16");
+  return float_linear_impl<c10::BFloat16>(x, w);
+}
+
+// ---------------------------------------------------------------- the small ops of a layer, fused
+// rms norm of one row: x / sqrt(mean(x^2) + eps) * w, the mean summed in double in order
+inline void rms_norm_row(const float* x, const float* w, float* out, int64_t h, double eps) {
+  double ss = 0.0;
+  for (int64_t j = 0; j < h; ++j) ss += static_cast<double>(x[j]) * x[j];
+  float inv = static_cast<float>(1.0 / std::sqrt(ss / h + eps));
+  for (int64_t j = 0; j < h; ++j) out[j] = x[j] * inv * w[j];
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && weight.scalar_type() == at::kFloat &&
+                  weight.is_contiguous() && weight.numel() == x.size(-1),
+              "rms_norm takes contiguous float32 rows and a float32 weight of their size");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, weight);
+  int64_t h = x.size(-1), rows = x.numel() / h;
+  auto y = at::empty_like(x);
+  for (int64_t r = 0; r < rows; ++r)
+    rms_norm_row(x.data_ptr<float>() + r * h, weight.data_ptr<float>(), y.data_ptr<float>() + r * h, h, eps);
+  return y;
+}
+
+// the residual stream x += delta (in place), then its rms norm
+at::Tensor add_rms_norm(at::Tensor x, const at::Tensor& delta, const at::Tensor& weight, double eps) {
+  check_rows(x, weight);
+  TORCH_CHECK(delta.sizes() == x.sizes() && delta.is_contiguous() && delta.scalar_type() == at::kFloat,
+              "delta: contiguous float32 of x's shape");
+  int64_t h = x.size(-1), n = x.numel();
+  float* xp = x.data_ptr<float>();
+  const float* dp = delta.data_ptr<float>();
+  for (int64_t j = 0; j < n; ++j) xp[j] += dp[j];
+  auto y = at::empty_like(x);
+  for (int64_t r = 0; r < n / h; ++r)
+    rms_norm_row(xp + r * h, weight.data_ptr<float>(), y.data_ptr<float>() + r * h, h, eps);
+  return y;
+}
+
+#ifdef KVSCOPE_AVX2
+// exp on 8 lanes (Cephes' polynomial), inputs clamped to [-87, 88]
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
+}
+#endif
+
+// gate_up: [..., 2I] (gate, then up) -> silu(gate) * up: [..., I]
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.is_contiguous() && gate_up.size(-1) % 2 == 0,
+              "silu_mul takes contiguous float32 [..., 2I]");
+  int64_t two = gate_up.size(-1), half = two / 2, rows = gate_up.numel() / two;
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = half;
+  auto out = at::empty(sizes, gate_up.options());
+  const float* src = gate_up.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float *g = src + r * two, *u = g + half;
+    float* o = dst + r * half;
+    int64_t j = 0;
+#ifdef KVSCOPE_AVX2
+    for (; j + 8 <= half; j += 8) {
+      __m256 gv = _mm256_loadu_ps(g + j);
+      __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+      __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+      _mm256_storeu_ps(o + j, _mm256_mul_ps(silu, _mm256_loadu_ps(u + j)));
+    }
+#endif
+    for (; j < half; ++j) o[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
+  }
+  return out;
+}
+
+// qkv: [B * T, (Hq + 2 Hkv) * D] -> q [B, Hq, T, D], k [B, Hkv, T, D] with the rotary embedding, v [B, Hkv, T, D];
+// cos, sin: [B, T, D]. Rotation: x * cos + (-x[D/2:], x[:D/2]) * sin.
+std::vector<at::Tensor> rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                 int64_t hq, int64_t hkv) {
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.dim() == 3,
+              "rope_qkv takes contiguous float32 qkv [B*T, (Hq+2Hkv)*D] and cos, sin [B, T, D]");
+  int64_t b = cos.size(0), t = cos.size(1), d = cos.size(2), heads = hq + 2 * hkv, half = d / 2;
+  TORCH_CHECK(qkv.numel() == b * t * heads * d, "qkv and cos disagree on B, T or D");
+  auto opts = qkv.options();
+  at::Tensor q = at::empty({b, hq, t, d}, opts), k = at::empty({b, hkv, t, d}, opts), v = at::empty({b, hkv, t, d}, opts);
+  const float *src = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  for (int64_t bi = 0; bi < b; ++bi)
+    for (int64_t ti = 0; ti < t; ++ti) {
+      const float* row = src + (bi * t + ti) * heads * d;
+      const float *c = cp + (bi * t + ti) * d, *s = sp + (bi * t + ti) * d;
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* x = row + h * d;
+        float* out = h < hq ? q.data_ptr<float>() + ((bi * hq + h) * t + ti) * d
+                   : h < hq + hkv ? k.data_ptr<float>() + ((bi * hkv + h - hq) * t + ti) * d
+                                  : v.data_ptr<float>() + ((bi * hkv + h - hq - hkv) * t + ti) * d;
+        if (h >= hq + hkv) {
+          std::copy_n(x, d, out);
+          continue;
+        }
+        for (int64_t j = 0; j < half; ++j) out[j] = x[j] * c[j] - x[j + half] * s[j];
+        for (int64_t j = half; j < d; ++j) out[j] = x[j] * c[j] + x[j - half] * s[j];
+      }
+    }
+  return {q, k, v};
+}
+
+// ---------------------------------------------------------------- attention
+// Keys and values live in "stores" (tensors [Hkv, slots, D]: a chunk of the paged pool, a contiguous
+// reservation, a step's own keys). Token p of sequence b sits in store block_store[blk], slot
+// block_start[blk] + p % block_size, for blk = table[b, p / block_size]. Query row t of sequence b (position
+// q_pos[b, t]; -1: padding) attends to keys 0..q_pos in position order: scores, one softmax, weighted values,
+// each summed in position order, so no layout, block size, batch or thread count changes a row's bits.
+
+#ifdef KVSCOPE_AVX2
+// exp for x <= 0 (scores minus their maximum); below -87 the result is 0
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 too_small = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_LT_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  y = _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
+  return _mm256_andnot_ps(too_small, y);
+}
+#endif
+
+// storage element -> float, 8 at a time
+template <typename T> struct Load;
+template <> struct Load<float> {
+#ifdef KVSCOPE_AVX2
+  static __m256 v8(const float* p) { return _mm256_loadu_ps(p); }
+#endif
+  static float one(const float* p) { return *p; }
+};
+template <> struct Load<c10::BFloat16> {
+#ifdef KVSCOPE_AVX2
+  static __m256 v8(const c10::BFloat16* p) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+#endif
+  static float one(const c10::BFloat16* p) { return static_cast<float>(*p); }
+};
+template <> struct Load<c10::Half> {
+#ifdef KVSCOPE_AVX2
+  static __m256 v8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#endif
+  static float one(const c10::Half* p) { return static_cast<float>(*p); }
+};
+
+// dot of a float query with a stored key of length d (a multiple of 8), in a fixed order
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t d) {
+#ifdef KVSCOPE_AVX2
+  __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), Load<T>::v8(k));
+  for (int64_t j = 8; j < d; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), Load<T>::v8(k + j), acc);
+  return hsum(acc);
+#else
+  float acc = 0.f;
+  for (int64_t j = 0; j < d; ++j) acc += q[j] * Load<T>::one(k + j);
+  return acc;
+#endif
+}
+
+template <typename T> float dot_any(const float* q, const T* k, int64_t d) { return dot<T>(q, k, d); }
+
+// out[0..d) += w * v, in place
+template <typename T>
+inline void axpy(float w, const T* v, float* out, int64_t d) {
+#ifdef KVSCOPE_AVX2
+  __m256 wv = _mm256_set1_ps(w);
+  for (int64_t j = 0; j < d; j += 8)
+    _mm256_storeu_ps(out + j, _mm256_fmadd_ps(wv, Load<T>::v8(v + j), _mm256_loadu_ps(out + j)));
+#else
+  for (int64_t j = 0; j < d; ++j) out[j] += w * Load<T>::one(v + j);
+#endif
+}
+
+// softmax weights of one row in place: e[p] = exp(s[p] - max) for p <= last, 0 after; returns 1 / sum
+inline float softmax_row(float* s, int64_t last, int64_t padded) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t p = 0; p <= last; ++p) mx = std::max(mx, s[p]);
+  for (int64_t p = last + 1; p < padded; ++p) s[p] = -std::numeric_limits<float>::infinity();
+#ifdef KVSCOPE_AVX2
+  __m256 sum = _mm256_setzero_ps(), mv = _mm256_set1_ps(mx);
+  for (int64_t p = 0; p < padded; p += 8) {
+    __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + p), mv));
+    _mm256_storeu_ps(s + p, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  return 1.f / hsum(sum);
+#else
+  float sum = 0.f;
+  for (int64_t p = 0; p < padded; ++p) {
+    s[p] = p <= last ? std::exp(s[p] - mx) : 0.f;
+    sum += s[p];
+  }
+  return 1.f / sum;
+#endif
+}
+
+// Rows of keys or values as float32 [D]: read in place (float32) or converted into a scratch row.
+template <typename T>
+struct StoreRows {
+  std::vector<const T*> at;  // per position
+  const float* row(int64_t p, float* tmp, int64_t d) const {
+    if constexpr (std::is_same_v<T, float>) {
+      return at[p];
+    } else {
+#ifdef KVSCOPE_AVX2
+      for (int64_t j = 0; j < d; j += 8) _mm256_storeu_ps(tmp + j, Load<T>::v8(at[p] + j));
+#else
+      for (int64_t j = 0; j < d; ++j) tmp[j] = Load<T>::one(at[p] + j);
+#endif
+      return tmp;
+    }
+  }
+};
+
+// int8 rows times their scales: keys per channel (a [D] float16 row per block), values per token (one float16);
+// positions from `full` on are in the sequence's full-precision window
+struct Int8Rows {
+  std::vector<const int8_t*> at;
+  std::vector<const uint16_t*> scale;  // per position: [D] channel scales (keys) or one scale (values)
+  bool per_channel = true;
+  int64_t full = 0;
+  const float* window = nullptr;  // [block_size, D] rows for positions full, full + 1, ...
+  const float* row(int64_t p, float* tmp, int64_t d) const {
+    if (p >= full) return window + (p - full) * d;
+    const int8_t* q = at[p];
+#ifdef KVSCOPE_AVX2
+    __m256 one_scale = _mm256_set1_ps(per_channel ? 0.f : half_to_float(*scale[p]));
+    for (int64_t j = 0; j < d; j += 8) {
+      __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + j))));
+      __m256 sc = per_channel ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale[p] + j)))
+                              : one_scale;
+      _mm256_storeu_ps(tmp + j, _mm256_mul_ps(v, sc));
+    }
+#else
+    for (int64_t j = 0; j < d; ++j) tmp[j] = q[j] * half_to_float(per_channel ? scale[p][j] : *scale[p]);
+#endif
+    return tmp;
+  }
+};
+
+// rows * group query vectors ([nq, D], row r head j at r * group + j) of positions pos[r] attend to keys
+// 0..pos[r]: scores in position order, a softmax per vector, values added in position order
+template <typename K, typename V>
+void attend_rows(const float* q, float* out, const K& keys, const V& values, const int32_t* pos, int64_t rows,
+                 int64_t group, int64_t d, float scale) {
+  int64_t last = -1;
+  for (int64_t r = 0; r < rows; ++r) last = std::max<int64_t>(last, pos[r]);
+  if (last < 0) return;
+  int64_t n = last + 1, padded = (n + 7) / 8 * 8, nq = rows * group;
+  std::vector<float> qs(nq * d), scores(nq * padded, 0.f), tmp(d);
+  for (int64_t i = 0; i < nq * d; ++i) qs[i] = q[i] * scale;
+  for (int64_t p = 0; p < n; ++p) {
+    const float* k = keys.row(p, tmp.data(), d);
+    for (int64_t i = 0; i < nq; ++i)
+      if (p <= pos[i / group]) scores[i * padded + p] = dot<float>(qs.data() + i * d, k, d);
+  }
+  std::vector<float> inv(nq, 0.f);
+  for (int64_t i = 0; i < nq; ++i)
+    if (pos[i / group] >= 0) inv[i] = softmax_row(&scores[i * padded], pos[i / group], padded);
+  for (int64_t p = 0; p < n; ++p) {
+    const float* v = values.row(p, tmp.data(), d);
+    for (int64_t i = 0; i < nq; ++i)
+      if (p <= pos[i / group]) axpy<float>(scores[i * padded + p], v, out + i * d, d);
+  }
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t j = 0; j < d; ++j) out[i * d + j] *= inv[i];
+}
+
+struct StepMap {  // where a step's keys are: see `attention` below
+  const int32_t *table, *block_store, *block_start, *q_pos;
+  int64_t width, block_size, t;
+  int64_t kv_len(int64_t b) const {
+    int64_t last = -1;
+    for (int64_t r = 0; r < t; ++r) last = std::max<int64_t>(last, q_pos[b * t + r]);
+    return last + 1;
+  }
+  // calls visit(p, store, slot) for positions 0..n-1 of sequence b, block by block
+  template <typename Visit>
+  void each_position(int64_t b, int64_t n, Visit visit) const {
+    for (int64_t p0 = 0; p0 < n; p0 += block_size) {
+      int64_t blk = table[b * width + p0 / block_size], store = block_store[blk], start = block_start[blk];
+      int64_t end = std::min(n, p0 + block_size);
+      for (int64_t p = p0; p < end; ++p) visit(p, store, start + p - p0);
+    }
+  }
+};
+
+// the address of (head, slot) in each store, without touching the tensors in the hot loop
+template <typename T>
+struct StoreAddresses {
+  std::vector<const T*> base;
+  std::vector<int64_t> head_stride, slot_stride;
+  StoreAddresses(const std::vector<at::Tensor>& stores) {  // NOLINT: implicit, for aggregate initialisation
+    for (const auto& s : stores) {
+      base.push_back(s.data_ptr<T>());
+      head_stride.push_back(s.stride(0));
+      slot_stride.push_back(s.dim() > 1 ? s.stride(1) : 1);
+    }
+  }
+  const T* at(int64_t store, int64_t h, int64_t slot) const {
+    return base[store] + h * head_stride[store] + slot * slot_stride[store];
+  }
+};
+
+StepMap step_map(const at::Tensor& table, const at::Tensor& block_store, const at::Tensor& block_start,
+                 int64_t block_size, const at::Tensor& q_pos) {
+  TORCH_CHECK(table.scalar_type() == at::kInt && block_store.scalar_type() == at::kInt &&
+                  block_start.scalar_type() == at::kInt && q_pos.scalar_type() == at::kInt &&
+                  table.is_contiguous() && q_pos.is_contiguous(),
+              "tables are contiguous int32");
+  return {table.data_ptr<int32_t>(), block_store.data_ptr<int32_t>(), block_start.data_ptr<int32_t>(),
+          q_pos.data_ptr<int32_t>(), table.size(1), block_size, q_pos.size(1)};
+}
+
+// one task per (sequence, KV head, 16 query rows); make_rows(b, h, n) -> (key rows, value rows) of n positions
+template <typename MakeRows>
+at::Tensor run_attention(const at::Tensor& q, const StepMap& map, MakeRows make_rows) {
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: [B, Hq, T, D] float32");
+  TORCH_CHECK(q.size(3) % 8 == 0, "head_dim must be a multiple of 8");
+  int64_t b = q.size(0), hq = q.size(1), t = q.size(2), d = q.size(3);
+  TORCH_CHECK(map.t == t, "q_pos must be [B, T]");
+  auto out = at::zeros_like(q);
+  float scale = 1.f / std::sqrt(static_cast<float>(d));
+  constexpr int64_t ROWS = 16;
+  int64_t row_tasks = (t + ROWS - 1) / ROWS;
+  int64_t hkv = make_rows.num_kv_heads(), group = hq / hkv, tasks = b * hkv * row_tasks;
+  const float* qb = q.data_ptr<float>();
+  float* ob = out.data_ptr<float>();
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> qg, og;
+    for (int64_t task = t0; task < t1; ++task) {
+      int64_t bi = task / (hkv * row_tasks), h = task / row_tasks % hkv, r0 = task % row_tasks * ROWS;
+      int64_t rows = std::min(ROWS, t - r0);
+      const int32_t* pos = map.q_pos + bi * t + r0;
+      int64_t last = -1;
+      for (int64_t r = 0; r < rows; ++r) last = std::max<int64_t>(last, pos[r]);
+      if (last < 0) continue;
+      auto [keys, values] = make_rows(bi, h, last + 1);
+      qg.assign(rows * group * d, 0.f);
+      og.assign(rows * group * d, 0.f);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < group; ++j)
+          std::copy_n(qb + ((bi * hq + h * group + j) * t + r0 + r) * d, d, qg.data() + (r * group + j) * d);
+      attend_rows(qg.data(), og.data(), keys, values, pos, rows, group, d, scale);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < group; ++j)
+          std::copy_n(og.data() + (r * group + j) * d, d, ob + ((bi * hq + h * group + j) * t + r0 + r) * d);
+    }
+  });
+  return out;
+}
+
+template <typename T>
+struct FloatStores {
+  StoreAddresses<T> k, v;
+  const StepMap& map;
+  int64_t hkv;
+  int64_t num_kv_heads() const { return hkv; }
+  std::pair<StoreRows<T>, StoreRows<T>> operator()(int64_t b, int64_t h, int64_t n) const {
+    StoreRows<T> keys, values;
+    keys.at.resize(n);
+    values.at.resize(n);
+    map.each_position(b, n, [&](int64_t p, int64_t store, int64_t slot) {
+      keys.at[p] = k.at(store, h, slot);
+      values.at[p] = v.at(store, h, slot);
+    });
+    return {keys, values};
+  }
+};
+
+void check_stores(const std::vector<at::Tensor>& stores, at::ScalarType dtype, int64_t dims, const char* what) {
+  TORCH_CHECK(!stores.empty(), what, ": at least one store");
+  for (const auto& s : stores)
+    TORCH_CHECK(s.dim() == dims && s.stride(-1) == 1 && s.scalar_type() == dtype, what,
+                ": stores of one dtype with contiguous rows");
+}
+
+// q: [B, Hq, T, D] float32; stores [Hkv, slots, D] (float32, bfloat16 or float16); token p of sequence b sits in
+// store block_store[blk], slot block_start[blk] + p % block_size, blk = table[b, p / block_size]; q_pos: [B, T]
+at::Tensor attention(const at::Tensor& q, std::vector<at::Tensor> k_stores, std::vector<at::Tensor> v_stores,
+                     const at::Tensor& table, const at::Tensor& block_store, const at::Tensor& block_start,
+                     int64_t block_size, const at::Tensor& q_pos) {
+  TORCH_CHECK(k_stores.size() == v_stores.size(), "one value store per key store");
+  auto dtype = k_stores.empty() ? at::kFloat : k_stores[0].scalar_type();
+  check_stores(k_stores, dtype, 3, "keys");
+  check_stores(v_stores, dtype, 3, "values");
+  StepMap map = step_map(table, block_store, block_start, block_size, q_pos);
+  switch (dtype) {
+    case at::kFloat:
+      return run_attention(q, map, FloatStores<float>{{k_stores}, {v_stores}, map, k_stores[0].size(0)});
+    case at::kBFloat16:
+      return run_attention(q, map, FloatStores<c10::BFloat16>{{k_stores}, {v_stores}, map, k_stores[0].size(0)});
+    case at::kHalf:
+      return run_attention(q, map, FloatStores<c10::Half>{{k_stores}, {v_stores}, map, k_stores[0].size(0)});
+    default:
+      TORCH_CHECK(false, "stores must be float32, bfloat16 or float16");
+  }
+}
+
+struct Int8Stores {
+  StoreAddresses<int8_t> k, v;  // [Hkv, slots, D] int8
+  StoreAddresses<at::Half> k_scale, v_scale;  // [Hkv, blocks, D] (per block and channel), [Hkv, slots] float16
+  StoreAddresses<float> k_window, v_window;  // per sequence [Hkv, block_size, D] float32
+  const StepMap& map;
+  int64_t hkv;
+  int64_t num_kv_heads() const { return hkv; }
+  std::pair<Int8Rows, Int8Rows> operator()(int64_t b, int64_t h, int64_t n) const {
+    Int8Rows keys, values;
+    int64_t full = map.kv_len(b) / map.block_size * map.block_size;
+    keys.full = values.full = full;
+    keys.window = k_window.at(b, h, 0);
+    values.window = v_window.at(b, h, 0);
+    values.per_channel = false;
+    int64_t quantized = std::min(n, full);
+    for (auto* rows : {&keys, &values}) rows->at.resize(quantized), rows->scale.resize(quantized);
+    map.each_position(b, quantized, [&](int64_t p, int64_t store, int64_t slot) {
+      keys.at[p] = k.at(store, h, slot);
+      values.at[p] = v.at(store, h, slot);
+      keys.scale[p] = reinterpret_cast<const uint16_t*>(k_scale.at(store, h, slot / map.block_size));
+      values.scale[p] = reinterpret_cast<const uint16_t*>(v_scale.at(store, h, slot));
+    });
+    return {keys, values};
+  }
+};
+
+// the int8 paged pool: as `attention`, with int8 stores and their scales, and per sequence a float32 window
+// holding its positions from the last full block on (the block being filled)
+at::Tensor attention_int8(const at::Tensor& q, std::vector<at::Tensor> k_stores, std::vector<at::Tensor> v_stores,
+                          std::vector<at::Tensor> k_scales, std::vector<at::Tensor> v_scales,
+                          std::vector<at::Tensor> k_windows, std::vector<at::Tensor> v_windows,
+                          const at::Tensor& table, const at::Tensor& block_store, const at::Tensor& block_start,
+                          int64_t block_size, const at::Tensor& q_pos) {
+  TORCH_CHECK(k_stores.size() == v_stores.size() && k_scales.size() == k_stores.size() &&
+                  v_scales.size() == k_stores.size(), "stores and scales per chunk");
+  TORCH_CHECK(k_windows.size() == static_cast<size_t>(q.size(0)) && v_windows.size() == k_windows.size(),
+              "one window per sequence");
+  check_stores(k_stores, at::kChar, 3, "int8 keys");
+  check_stores(v_stores, at::kChar, 3, "int8 values");
+  check_stores(k_scales, at::kHalf, 3, "key scales");
+  check_stores(v_scales, at::kHalf, 2, "value scales");
+  check_stores(k_windows, at::kFloat, 3, "key windows");
+  check_stores(v_windows, at::kFloat, 3, "value windows");
+  for (const auto& w : k_windows) TORCH_CHECK(w.stride(1) == w.size(2), "windows: contiguous rows of D");
+  for (const auto& w : v_windows) TORCH_CHECK(w.stride(1) == w.size(2), "windows: contiguous rows of D");
+  StepMap map = step_map(table, block_store, block_start, block_size, q_pos);
+  Int8Stores stores{{k_stores}, {v_stores}, {k_scales}, {v_scales}, {k_windows}, {v_windows}, map, k_stores[0].size(0)};
+  return run_attention(q, map, stores);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvscope, m) {
+  m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor minimums) -> Tensor", &int4_linear);
+  m.def("int8_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor", &int8_linear);
+  m.def("float_linear(Tensor x, Tensor w) -> Tensor", &float_linear);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
+  m.def("add_rms_norm(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor", &add_rms_norm);
+  m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
+  m.def("rope_qkv(Tensor qkv, Tensor cos, Tensor sin, int hq, int hkv) -> Tensor[]", &rope_qkv);
+  m.def("attention(Tensor q, Tensor[] k_stores, Tensor[] v_stores, Tensor table, Tensor block_store, "
+        "Tensor block_start, int block_size, Tensor q_pos) -> Tensor", &attention);
+  m.def("attention_int8(Tensor q, Tensor[] k_stores, Tensor[] v_stores, Tensor[] k_scales, Tensor[] v_scales, "
+        "Tensor[] k_windows, Tensor[] v_windows, Tensor table, Tensor block_store, Tensor block_start, "
+        "int block_size, Tensor q_pos) -> Tensor", &attention_int8);
+}

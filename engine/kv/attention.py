@@ -1,0 +1,114 @@
+"""One attention routine for every cache: a step's query rows over keys and values wherever a layout keeps them.
+
+A layout hands over *stores*, tensors [Hkv, slots, D] per layer (the chunks of a paged pool, the reservations of
+a contiguous cache, a step's own keys for `none`), and a `KeyMap` built once per step: for each sequence a table
+of blocks, where each block of `block_size` tokens starts (store and slot), and the absolute position of every
+query row. Row t of sequence b attends to the keys at positions 0..q_pos[b, t].
+
+Two implementations, the same contract:
+- the compiled kernel (engine/kernels) reads the stores in place and sums scores, softmax and weighted values
+  in position order, one task per (sequence, KV head, 16 query rows): a row's bits depend on nothing but its
+  own keys, whatever the layout, block size, pool growth, batch or thread count;
+- the pure PyTorch path gathers each sequence's keys in position order into one padded tensor (tiles of 16
+  tokens) and attends over it with a mask: every layout gives it the same tensor, so the same bits, too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine import kernels
+
+TILE = 16  # the pure PyTorch path pads a batch's keys to a multiple of this
+
+
+@dataclass
+class KeyMap:
+    """Where every key of a step's sequences is, built once per step.
+
+    table: [B, W] int32 block ids; block_store, block_start: [num_blocks] int32 (the store holding a block and
+    the slot of its first token); q_pos: [B, T] int32 absolute positions of the query rows, -1 for padding."""
+
+    table: torch.Tensor
+    block_store: torch.Tensor
+    block_start: torch.Tensor
+    block_size: int
+    q_pos: torch.Tensor
+    kv_len: list[int]
+    _gather: list | None = None  # the pure PyTorch path's gather plan, made on first use
+
+    @classmethod
+    def build(cls, tables: list[list[int]], block_store: torch.Tensor, block_start: torch.Tensor, block_size: int,
+              past: list[int], n_new: list[int], device: torch.device) -> KeyMap:
+        """tables: per sequence its block ids; block_store, block_start: int32 [num_blocks]."""
+        width = max(1, max(len(t) for t in tables))
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+        t = max(n_new)
+        q_pos = torch.tensor([[p + j if j < n else -1 for j in range(t)] for p, n in zip(past, n_new)],
+                             dtype=torch.int32, device=device)
+        return cls(table, block_store, block_start, block_size, q_pos, [p + n for p, n in zip(past, n_new)])
+
+    @classmethod
+    def one_store_each(cls, capacities: list[int], past: list[int], n_new: list[int],
+                       device: torch.device) -> KeyMap:
+        """Sequence i's keys are the first tokens of store i (a contiguous reservation, a step's own keys)."""
+        n = len(capacities)
+        stores = torch.arange(n, dtype=torch.int32, device=device)
+        return cls.build([[i] for i in range(n)], stores, torch.zeros_like(stores), max(capacities), past, n_new,
+                         device)
+
+    def gather_plan(self, num_stores: int) -> list:
+        """Per store: (slots to read, where they go in the padded [B * S_pad] key order); and S_pad."""
+        if self._gather is None:
+            s_pad = -(-max(self.kv_len) // TILE) * TILE
+            table, stores, starts = self.table.tolist(), self.block_store.tolist(), self.block_start.tolist()
+            reads: list[tuple[list[int], list[int]]] = [([], []) for _ in range(num_stores)]
+            for b, length in enumerate(self.kv_len):
+                for p in range(length):
+                    block = table[b][p // self.block_size]
+                    slots, dest = reads[stores[block]]
+                    slots.append(starts[block] + p % self.block_size)
+                    dest.append(b * s_pad + p)
+            dev = self.q_pos.device
+            plan = [(torch.tensor(s, device=dev), torch.tensor(d, device=dev)) for s, d in reads if s]
+            index = [i for i, (s, _) in enumerate(reads) if s]
+            self._gather = [index, plan, s_pad]
+        return self._gather
+
+
+def attend(q: torch.Tensor, k_stores: list[torch.Tensor], v_stores: list[torch.Tensor], keys: KeyMap) -> torch.Tensor:
+    """q: [B, Hq, T, D]; stores: [Hkv, slots, D] each -> [B, Hq, T, D] (zeros for padding rows)."""
+    ops = kernels.ops() if q.device.type == "cpu" and q.dtype == torch.float32 else None
+    if ops is not None:
+        return ops.attention(q.contiguous(), k_stores, v_stores, keys.table, keys.block_store, keys.block_start,
+                             keys.block_size, keys.q_pos)
+    return attend_gathered(q, k_stores, v_stores, keys)
+
+
+def attend_gathered(q: torch.Tensor, k_stores: list[torch.Tensor], v_stores: list[torch.Tensor],
+                    keys: KeyMap) -> torch.Tensor:
+    """The pure PyTorch path: keys and values gathered in position order, padded to tiles, one masked softmax."""
+    b, hq, t, d = q.shape
+    hkv = k_stores[0].shape[0]
+    index, plan, s_pad = keys.gather_plan(len(k_stores))
+    k_all = gather(k_stores, index, plan, hkv, b * s_pad, d, q.dtype).view(hkv, b, s_pad, d).transpose(0, 1)
+    v_all = gather(v_stores, index, plan, hkv, b * s_pad, d, q.dtype).view(hkv, b, s_pad, d).transpose(0, 1)
+    group = hq // hkv
+    queries = q.reshape(b, hkv, group * t, d) * d ** -0.5  # [B, Hkv, G*T, D]: a group's heads share keys
+    scores = torch.matmul(queries, k_all.transpose(-1, -2)).view(b, hkv, group, t, s_pad)
+    hidden = torch.arange(s_pad, device=q.device)[None, None, :] > keys.q_pos[:, :, None]  # [B, T, S_pad]
+    scores.masked_fill_(hidden[:, None, None], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).nan_to_num_(0.0)  # a padding row: all hidden
+    out = torch.matmul(probs.view(b, hkv, group * t, s_pad), v_all)  # [B, Hkv, G*T, D]
+    return out.view(b, hq, t, d)
+
+
+def gather(stores: list[torch.Tensor], index: list[int], plan: list, hkv: int, total: int, d: int,
+           dtype: torch.dtype) -> torch.Tensor:
+    """[Hkv, total, D] with each store's planned slots copied to their places (zeros elsewhere)."""
+    out = torch.zeros(hkv, total, d, dtype=dtype, device=stores[0].device)
+    for i, (slots, dest) in zip(index, plan):
+        out.index_copy_(1, dest, stores[i].index_select(1, slots).to(dtype))
+    return out
