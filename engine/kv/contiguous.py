@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.kv.attention import KeyMap, attend
+from engine.kv.attention import KeyMap, attend, write
 from engine.kv.base import KVCache, KVCacheFull, KVStats, StepView
 from engine.kv.paged import common_prefix_length
 
@@ -22,6 +22,9 @@ class Reservation:
     v: torch.Tensor  # [L, Hkv, capacity, D]
     length: int = 0
     tokens: list[int] = field(default_factory=list)  # the ids whose keys and values are held
+
+    def __post_init__(self):
+        self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)  # per layer [Hkv, capacity, D] views
 
     @property
     def capacity(self) -> int:
@@ -35,11 +38,9 @@ class ContiguousView(StepView):
         self.keys = KeyMap.one_store_each([buf.capacity for buf in self.buffers], past, n_new, cache.device)
 
     def attend(self, layer, q, k, v):
-        for i, buf in enumerate(self.buffers):
-            start, end = self.past[i], self.kv_len[i]
-            buf.k[layer, :, start:end] = k[i, :, : end - start]
-            buf.v[layer, :, start:end] = v[i, :, : end - start]
-        return attend(q, [buf.k[layer] for buf in self.buffers], [buf.v[layer] for buf in self.buffers], self.keys)
+        keys, values = [buf.k_layers[layer] for buf in self.buffers], [buf.v_layers[layer] for buf in self.buffers]
+        write(keys, values, k, v, self.keys)
+        return attend(q, keys, values, self.keys)
 
 
 class ContiguousCache(KVCache):

@@ -13,6 +13,7 @@ pool that grew, a block size of 1 or 64 and a contiguous cache give the same bit
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +29,7 @@ from engine.kv.base import (
     KVStats,
     StepView,
 )
-from engine.kv.attention import KeyMap, attend
+from engine.kv.attention import KeyMap, attend, write
 from engine.kv.block_pool import BlockPool
 from engine.kv.chunks import FIRST_CHUNK_TOKENS, MAX_CHUNK_TOKENS, ChunkLayout, Piece
 
@@ -55,29 +56,14 @@ class PagedView(StepView):
         super().__init__(seq_ids, past, n_new, cache.device)
         self.cache = cache
         self.tables = tables
-        dev = cache.device
-        self.writes = [(g.chunk, torch.tensor(g.slots, device=dev), None if g.sources is None else
-                        torch.tensor(g.sources, device=dev)) for g in cache.layout.write_groups(tables, past, n_new)]
-        width = max(n_new)
-        self.valid_index = torch.tensor([i * width + j for i, n in enumerate(n_new) for j in range(n)], device=dev)
         block_store, block_start = cache.block_map()
-        self.keys = KeyMap.build(tables, block_store, block_start, cache.block_size, past, n_new, dev)
-
-    def new_tokens_flat(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [B, H, T, D] -> [H, N, D] holding only the valid (unpadded) new tokens."""
-        b, h, t, d = x.shape
-        if b == 1:
-            return x[0]
-        return x.transpose(0, 1).reshape(h, b * t, d).index_select(1, self.valid_index)
+        self.keys = KeyMap.build(tables, block_store, block_start, cache.block_size, past, n_new, cache.device)
 
     def attend(self, layer, q, k, v):
         c = self.cache
-        new_k, new_v = self.new_tokens_flat(k), self.new_tokens_flat(v)  # [Hkv, N, D]
-        for chunk, slots, sources in self.writes:
-            keys, values = c.layers[chunk][0][layer], c.layers[chunk][1][layer]  # [Hkv, chunk slots, D]
-            keys.index_copy_(1, slots, new_k if sources is None else new_k.index_select(1, sources))
-            values.index_copy_(1, slots, new_v if sources is None else new_v.index_select(1, sources))
-        return attend(q, c.layer_stores(0, layer), c.layer_stores(1, layer), self.keys)
+        keys, values = c.layer_stores(0, layer), c.layer_stores(1, layer)  # [Hkv, chunk slots, D] per chunk
+        write(keys, values, k, v, self.keys)
+        return attend(q, keys, values, self.keys)
 
 
 @dataclass
@@ -87,6 +73,16 @@ class ReadPlan:
 
     pieces: list[tuple[int, slice | torch.Tensor]]  # (chunk, slots in the chunk)
     key_positions: torch.Tensor | None = None  # [S]
+
+
+@functools.lru_cache(maxsize=16)
+def block_map(chunk_sizes: tuple[int, ...], block_size: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pool's block map, a function of its chunk sizes alone (made once per pool shape, not per step):
+    chunk of each block id and the slot of the block's first token in that chunk, int32 [num_blocks] each."""
+    chunks = [c for c, n in enumerate(chunk_sizes) for _ in range(n)]
+    slots = [i * block_size for n in chunk_sizes for i in range(n)]
+    return (torch.tensor(chunks, dtype=torch.int32, device=device),
+            torch.tensor(slots, dtype=torch.int32, device=device))
 
 
 def take(store: torch.Tensor, index: torch.Tensor | slice) -> torch.Tensor:
@@ -113,7 +109,6 @@ class PagedCache(KVCache):
         self.seqs: dict[int, Sequence] = {}
         self.chunks: list[list[torch.Tensor]] = []  # per chunk: its storage tensors, see _chunk_tensors
         self.layers: list[list[tuple[torch.Tensor, ...]]] = []  # per chunk and storage tensor: its per-layer views
-        self._block_map: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _max_blocks(self, pool_tokens: int | None, budget_bytes: int | None) -> int:
         """The budget in blocks: pool_tokens and budget_bytes where given, else one context's worth."""
@@ -195,14 +190,8 @@ class PagedCache(KVCache):
         return [by_chunk[which][layer] for by_chunk in self.layers]
 
     def block_map(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per block id: its chunk and the slot of its first token there, int32 [num_blocks] each; made again
-        only when the pool grows or gives chunks back."""
-        if self._block_map is None or self._block_map[0].numel() != self.layout.num_blocks:
-            chunk_of, starts, bs = self.layout.chunk_of, self.layout.starts, self.block_size
-            offsets = [(b - starts[c]) * bs for b, c in enumerate(chunk_of)]
-            self._block_map = (torch.tensor(chunk_of, dtype=torch.int32, device=self.device),
-                               torch.tensor(offsets, dtype=torch.int32, device=self.device))
-        return self._block_map
+        """Per block id: its chunk and the slot of its first token there, int32 [num_blocks] each."""
+        return block_map(tuple(self.layout.sizes), self.block_size, str(self.device))
 
     # ---- preparing a sequence: reuse what is held, or what the prefix cache has
     def prepare(self, seq_id, token_ids):

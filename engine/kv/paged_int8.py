@@ -24,17 +24,20 @@ class Int8View(PagedView):
 
     def attend(self, layer, q, k, v):
         c = self.cache
-        for i, seq_id in enumerate(self.seq_ids):
-            c.store(layer, self.tables[i], c.windows[seq_id], self.past[i], k[i, :, : self.n_new[i]],
-                    v[i, :, : self.n_new[i]])
         ops = kernels.ops() if q.device.type == "cpu" and c.dtype == torch.float32 else None
         if ops is None:
+            for i, seq_id in enumerate(self.seq_ids):
+                c.store(layer, self.tables[i], c.windows[seq_id], self.past[i], k[i, :, : self.n_new[i]],
+                        v[i, :, : self.n_new[i]])
             return self._attend_dequantized(layer, q)
-        windows = [c.windows[s] for s in self.seq_ids]  # [2, L, Hkv, block_size, D] each
-        return ops.attention_int8(q.contiguous(), *(c.layer_stores(i, layer) for i in range(4)),
-                                  [w[0, layer] for w in windows], [w[1, layer] for w in windows],
-                                  self.keys.table, self.keys.block_store, self.keys.block_start, c.block_size,
-                                  self.keys.q_pos)
+        stores = [c.layer_stores(i, layer) for i in range(4)]  # int8 keys, values, key scales, value scales
+        windows = [c.windows[s][:, layer] for s in self.seq_ids]  # [2, Hkv, block_size, D] each
+        k_windows, v_windows = [w[0] for w in windows], [w[1] for w in windows]
+        keys = self.keys
+        ops.write_kv_int8(*stores, k_windows, v_windows, k.contiguous(), v.contiguous(), keys.store_of, keys.slot_of,
+                          c.block_size)
+        return ops.attention_int8(q.contiguous(), *stores, k_windows, v_windows, keys.table, keys.block_store,
+                                  keys.block_start, c.block_size, keys.q_pos)
 
     def _attend_dequantized(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """The pure PyTorch path: each sequence's keys and values dequantized in position order, then the one

@@ -38,7 +38,13 @@ class WeightLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = out_features, in_features
 
+    compiled = None  # kvscope's compiled ops where a subclass's decode runs through them: it then defines
+    # compiled_decode(x [..., K] float32 contiguous) -> [..., N]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.compiled is not None and x.numel() <= DECODE_ROWS * self.in_features \
+                and x.dtype == torch.float32 and x.is_contiguous() and x.device.type == "cpu":
+            return self.compiled_decode(x)  # [..., K] -> [..., N] in one call
         flat = x.reshape(-1, self.in_features)  # [M, K]
         out = self.decode(flat) if flat.shape[0] <= DECODE_ROWS else self.prefill(flat)
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
@@ -70,15 +76,17 @@ class FloatLinear(WeightLinear):
         self.register_buffer("weight", weight)
         self.format_name = str(weight.dtype).removeprefix("torch.")
         self.kernel_name = f"torch.mm ({self.format_name})"
-        self.ops = compiled_ops(weight) if weight.dtype in (torch.float32, torch.bfloat16) else None
-        if self.ops is not None and weight.shape[1] % 8 == 0 and weight.is_contiguous():
+        ops = compiled_ops(weight) if weight.dtype in (torch.float32, torch.bfloat16) else None
+        if ops is not None and weight.shape[1] % 8 == 0 and weight.is_contiguous():
+            self.compiled = ops
             self.kernel_name = f"kvscope.float_linear ({self.format_name} weights, float32 activations)"
-        else:
-            self.ops = None
+
+    def compiled_decode(self, x):
+        return self.compiled.float_linear(x, self.weight)
 
     def decode(self, x):
-        if self.ops is not None and x.device.type == "cpu":
-            return self.ops.float_linear(x.float().contiguous(), self.weight)
+        if self.compiled is not None and x.device.type == "cpu":
+            return self.compiled.float_linear(x.float().contiguous(), self.weight)
         return F.linear(x.to(self.weight.dtype), self.weight)
 
     def dense(self, dtype):
@@ -100,11 +108,14 @@ class Int8Linear(WeightLinear):
         self.group_size = q.group_size
         self.register_buffer("codes", q.codes.contiguous())  # [N, K] int8
         self.register_buffer("scales", q.scales.contiguous())  # [N, G] float16
-        self.ops = compiled_ops(q.codes) if self.in_features % 32 == 0 and self.group_size % 32 == 0 else None
-        if self.ops is not None:
+        self.compiled = compiled_ops(q.codes) if self.in_features % 32 == 0 and self.group_size % 32 == 0 else None
+        if self.compiled is not None:
             self.kernel_name = "kvscope.int8_linear (int8 activations in blocks of 32)"
         else:
             self._prepare_torch_kernel()
+
+    def compiled_decode(self, x):
+        return self.compiled.int8_linear(x, self.codes, self.scales)
 
     def _prepare_torch_kernel(self) -> None:
         n, k = self.out_features, self.in_features
@@ -118,8 +129,8 @@ class Int8Linear(WeightLinear):
         self.kernel_name = pick_int8_kernel(self)
 
     def decode(self, x):
-        if self.ops is not None and x.device.type == "cpu":
-            return self.ops.int8_linear(x.float().contiguous(), self.codes, self.scales)
+        if self.compiled is not None and x.device.type == "cpu":
+            return self.compiled.int8_linear(x.float().contiguous(), self.codes, self.scales)
         if self.kernel_name.startswith("dequantize"):
             return self.prefill(x)
         xb = x.to(torch.bfloat16)
@@ -165,8 +176,8 @@ class Int4Linear(WeightLinear):
         self.register_buffer("packed", None)
         self.register_buffer("scale_zero", None)
         self.kernel_name = "dequantize + torch.mm"
-        self.ops = compiled_ops(q.codes) if self.in_features % 32 == 0 else None
-        if self.ops is not None:
+        self.compiled = compiled_ops(q.codes) if self.in_features % 32 == 0 else None
+        if self.compiled is not None:
             self.kernel_name = "kvscope.int4_linear (int8 activations in blocks of 32)"
         elif q.codes.device.type == "cpu":
             self._pack_for_cpu_kernel(q)
@@ -191,9 +202,12 @@ class Int4Linear(WeightLinear):
     def shape(self) -> tuple[int, int]:
         return self.out_features, self.in_features
 
+    def compiled_decode(self, x):
+        return self.compiled.int4_linear(x, self.plain_codes, self.scales, self.minimums)
+
     def decode(self, x):
-        if self.ops is not None and x.device.type == "cpu":
-            return self.ops.int4_linear(x.float().contiguous(), self.plain_codes, self.scales, self.minimums)
+        if self.compiled is not None and x.device.type == "cpu":
+            return self.compiled_decode(x.float().contiguous())
         if self.packed is None:
             return self.prefill(x)
         xb = x.to(torch.bfloat16)

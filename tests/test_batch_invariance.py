@@ -1,0 +1,200 @@
+"""A step's result for a sequence never depends on how its keys are laid out or on what else is in the batch.
+
+The compiled kernels (engine/kernels) compute every output row with one fixed order of operations: a decode
+projection's row does not depend on the other rows, and attention sums a query's scores and values in position
+order whatever the cache layout, block size, pool growth or batch. These tests compare bits (torch.equal),
+not tolerances. The pure PyTorch path is layout-invariant too (it gathers every layout into the same tensor).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from engine import kernels
+from engine.config import BLOCK_SIZES, EngineConfig
+from engine.engine import Engine
+from engine.model import LlamaModel
+from engine.weights.convert import to_format
+from engine.weights.formats import QuantizedWeight, quantize_int4, quantize_int8
+from engine.weights.linear import build_linear
+from tests.engine_helpers import one_torch_thread
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="the compiled kernels could not be built here")
+
+PROMPT = list(range(300, 341))  # 41 tokens: a partly filled block for every block size above 1
+STEPS = 24
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with one_torch_thread():
+        yield
+
+
+def q8_0(w: torch.Tensor) -> QuantizedWeight:
+    """int8 in groups of 32 along K, as GGUF's Q8_0."""
+    n, k = w.shape
+    groups = w.view(n, k // 32, 32)
+    scales = (groups.abs().amax(-1) / 127).clamp(min=1e-8).half()
+    return QuantizedWeight(8, (groups / scales.float()[..., None]).round().to(torch.int8).view(n, k), scales)
+
+
+WEIGHTS = {
+    "int4 groups of 32": lambda w: quantize_int4(w, 32),
+    "int4 groups of 64": lambda w: quantize_int4(w, 64),
+    "int8 per channel": quantize_int8,
+    "int8 groups of 32 (Q8_0)": q8_0,
+    "float32": lambda w: w,
+    "bfloat16": lambda w: w.to(torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("fmt", list(WEIGHTS))
+def test_a_decode_projection_gives_each_row_the_same_bits_for_1_to_16_rows(fmt):
+    torch.manual_seed(0)
+    module = build_linear(WEIGHTS[fmt](torch.randn(200, 128) * 0.05))
+    assert module.kernel_name.startswith("kvscope.")
+    x = torch.randn(16, 128)
+    alone = torch.cat([module(x[i:i + 1]) for i in range(16)])
+    for rows in (2, 3, 5, 8, 16):
+        assert torch.equal(module(x[:rows]), alone[:rows]), rows
+
+
+def test_the_int_kernels_compute_what_the_dequantized_weights_give():
+    torch.manual_seed(1)
+    w, x = torch.randn(96, 256) * 0.05, torch.randn(4, 256)
+    for make in (lambda v: quantize_int4(v, 32), lambda v: quantize_int4(v, 64), quantize_int8, q8_0):
+        q = make(w)
+        want = x @ q.dequantize().T
+        got = build_linear(q)(x)
+        # activations are quantized to int8 in blocks of 32 (as llama.cpp does): ~0.5% of the output's scale
+        assert (got - want).norm() / want.norm() < 0.01
+
+
+def decode(engine: Engine, seq_id: int, prompt: list[int], steps: int, prefill_chunk: int = 1024) -> list:
+    """Prefill in chunks, then greedy steps; every step's logits."""
+    engine.cache.prepare(seq_id, prompt)
+    for start in range(0, len(prompt), prefill_chunk):
+        logits = engine.step([seq_id], [prompt[start:start + prefill_chunk]])[0]
+    out = [logits]
+    for _ in range(steps):
+        out.append(engine.step([seq_id], [[int(out[-1].argmax())]])[0])
+    return out
+
+
+def tiny_engine(tiny_config, tokenizer, fmt: str, **config) -> Engine:
+    model = LlamaModel.random(tiny_config, seed=0, std=0.1)
+    engine = Engine(model, tokenizer, EngineConfig(weights=fmt, **config), "tiny-random")
+    return engine
+
+
+def same_bits(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("fmt", ["float32", "int4", "int8"])
+def test_every_exact_layout_gives_the_same_bits(tiny_config, tokenizer, fmt):
+    reference = decode(tiny_engine(tiny_config, tokenizer, fmt, cache="contiguous"), 1, PROMPT, STEPS)
+    for block_size in BLOCK_SIZES:
+        paged = tiny_engine(tiny_config, tokenizer, fmt, cache="paged", block_size=block_size)
+        assert same_bits(decode(paged, 1, PROMPT, STEPS), reference), block_size
+
+
+def test_a_pool_that_grew_over_several_chunks_gives_the_same_bits_as_one_tensor(tiny_config, tokenizer):
+    contiguous = tiny_engine(tiny_config, tokenizer, "int4", cache="contiguous")
+    reference = decode(contiguous, 1, PROMPT, 120, prefill_chunk=13)
+    grown = tiny_engine(tiny_config, tokenizer, "int4", cache="paged", block_size=8)
+    got = decode(grown, 1, PROMPT, 120, prefill_chunk=13)  # chunks of 13 rows: steps that span blocks
+    assert len(grown.cache.layout.sizes) >= 3  # 161 tokens over chunks of 8, 8, 16 blocks
+    assert same_bits(got, reference)
+
+
+@pytest.mark.parametrize("cache", ["contiguous", "paged"])
+def test_a_sequence_gives_the_same_bits_alone_and_in_a_batch(tiny_config, tokenizer, cache):
+    alone = decode(tiny_engine(tiny_config, tokenizer, "int4", cache=cache), 1, PROMPT, STEPS)
+    engine = tiny_engine(tiny_config, tokenizer, "int4", cache=cache)
+    others = {2: list(range(500, 530)), 3: list(range(700, 777))}
+    for seq_id, prompt in others.items():
+        engine.cache.prepare(seq_id, prompt)
+        engine.step([seq_id], [prompt])
+    engine.cache.prepare(1, PROMPT)
+    got = [engine.step([1], [PROMPT])[0]]
+    feeds = {2: 11, 3: 12}
+    for _ in range(STEPS):
+        ids = [1, 2, 3]
+        logits = engine.step(ids, [[int(got[-1].argmax())], [feeds[2]], [feeds[3]]])
+        got.append(logits[0])
+        feeds = {2: int(logits[1].argmax()), 3: int(logits[2].argmax())}
+    assert same_bits(got, alone)
+
+
+def test_verify_rows_give_the_bits_of_plain_decode_steps(tiny_config, tokenizer):
+    """A speculative verify step feeds several tokens at once: each row's logits equal the plain step's."""
+    plain = tiny_engine(tiny_config, tokenizer, "int4", cache="paged")
+    steps = decode(plain, 1, PROMPT, 6)
+    tokens = [int(s.argmax()) for s in steps[:6]]
+    verify = tiny_engine(tiny_config, tokenizer, "int4", cache="paged")
+    verify.cache.prepare(1, PROMPT)
+    verify.step([1], [PROMPT])
+    rows = verify.step([1], [tokens], all_logits=True)[0]  # [6, V]
+    assert all(torch.equal(rows[i], steps[i + 1]) for i in range(6))
+
+
+def test_the_pure_pytorch_path_is_layout_invariant_too(tiny_config, tokenizer):
+    with kernels.pure_pytorch():
+        reference = decode(tiny_engine(tiny_config, tokenizer, "float32", cache="contiguous"), 1, PROMPT, STEPS)
+        for block_size in (1, 16, 64):
+            paged = tiny_engine(tiny_config, tokenizer, "float32", cache="paged", block_size=block_size)
+            assert same_bits(decode(paged, 1, PROMPT, STEPS), reference), block_size
+
+
+def test_the_pure_pytorch_path_and_the_kernels_agree_closely(tiny_config, tokenizer):
+    compiled = decode(tiny_engine(tiny_config, tokenizer, "float32", cache="paged"), 1, PROMPT, 8)
+    with kernels.pure_pytorch():
+        plain = decode(tiny_engine(tiny_config, tokenizer, "float32", cache="paged"), 1, PROMPT, 8)
+    for a, b in zip(compiled, plain):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def ops_in_a_decode_step(tiny_config, tokenizer, cache: str, num_layers: int) -> list[str]:
+    config = dataclasses.replace(tiny_config, num_layers=num_layers)
+    engine = Engine(LlamaModel.random(config, seed=0, std=0.1), tokenizer, EngineConfig(cache=cache, weights="int4"))
+    decode(engine, 1, PROMPT, 2)
+    with OpCounter() as counter:
+        engine.step([1], [[5]])
+    return counter.ops
+
+
+@pytest.mark.parametrize("cache", ["contiguous", "paged", "paged-int8"])
+def test_a_decode_step_runs_few_ops_per_layer(tiny_config, tokenizer, cache):
+    """The lean step: every op the dispatcher runs, counted (and printed) per layer and outside the layers."""
+    two, four = (ops_in_a_decode_step(tiny_config, tokenizer, cache, n) for n in (2, 4))
+    per_layer = (len(four) - len(two)) // 2
+    layer_ops = collections.Counter(four) - collections.Counter(two)
+    print(f"\n{cache}: {per_layer} ops per layer {dict(sorted(layer_ops.items()))}, "
+          f"{len(two) - 2 * per_layer} outside the layers")
+    attention = "kvscope.attention_int8" if cache == "paged-int8" else "kvscope.attention"
+    assert {attention: 1, "kvscope.int4_linear": 4, "kvscope.rope_qkv": 1, "kvscope.silu_mul": 1,
+            "kvscope.add_rms_norm": 2}.items() <= {k: v // 2 for k, v in layer_ops.items()}.items()
+    assert per_layer <= 16
+
+
+def test_the_default_weights_format_keeps_the_heads_int8_codes(tiny_config):
+    w = torch.randn(tiny_config.vocab_size, 64) * 0.05
+    head = build_linear(to_format(w, "int4", "lm_head"))
+    assert head.format_name == "int8" and head.kernel_name.startswith("kvscope.int8_linear")
