@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.config import BLOCK_SIZES, CACHE_STRATEGIES, WEIGHT_FORMATS
+from engine.config import BLOCK_SIZES, CACHE_STRATEGIES, KV_DTYPES, WEIGHT_FORMATS
 
 
 def add_model_options(p: argparse.ArgumentParser, default_cache: str | None = "paged") -> None:
@@ -17,6 +17,12 @@ def add_model_options(p: argparse.ArgumentParser, default_cache: str | None = "p
                         "bounds; int4/int8 keep a GGUF's own integers)")
     add_prefix_reuse_option(p)
     add_kv_budget_option(p)
+
+
+def add_kv_dtype_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
+                   help="the precision contiguous and paged caches keep keys and values in (default auto: the "
+                        "fastest measured here, each within the quality bound)")
 
 
 def add_kv_budget_option(p: argparse.ArgumentParser) -> None:
@@ -68,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "prefill also measure the other formats")
     add_prefix_reuse_option(bench)
     add_kv_budget_option(bench)
+    add_kv_dtype_option(bench)
 
     add_serve_parser(sub)
     return parser
@@ -83,6 +90,7 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--pool-tokens", type=int, help="paged pool capacity in tokens (default: one context)")
     serve.add_argument("--weights", choices=WEIGHT_FORMATS, default=None,
                        help="weight format (default auto: the fastest single-token decode measured on this machine)")
+    add_kv_dtype_option(serve)
     serve.add_argument("--max-concurrency", type=int, default=16, help="requests in the running batch at most")
     serve.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health")
 

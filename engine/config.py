@@ -85,6 +85,9 @@ def _architecture_from_model_type(model_type: str | None) -> str:
     return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}.get(model_type or "", str(model_type))
 
 
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16")  # what contiguous and paged caches store K and V in
+
+
 @dataclass
 class EngineConfig:
     cache: str = "paged"
@@ -97,6 +100,7 @@ class EngineConfig:
     num_threads: int | None = None
     weights: str | None = None  # weight format: auto, float32, bfloat16, int8, int4 (None: as the model holds them)
     prefix_reuse: bool = True  # keep a conversation's cache between turns and reuse the common prefix
+    kv_dtype: str | None = None  # K/V storage of contiguous and paged: KV_DTYPES (None: the activations' dtype)
 
     def __post_init__(self):
         self.validate()
@@ -116,6 +120,8 @@ class EngineConfig:
             raise ConfigError(f"prefix_reuse must be True or False, got {self.prefix_reuse!r}")
         if self.dtype not in (None, "float32", "float16", "bfloat16"):
             raise ConfigError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.kv_dtype not in (None, *KV_DTYPES):
+            raise ConfigError(f"unknown KV precision {self.kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
         if self.weights not in (None, *WEIGHT_FORMATS):
             raise ConfigError(f"unknown weight format {self.weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
 

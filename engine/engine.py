@@ -16,6 +16,7 @@ from engine.chat import Conversation, fit_to_context
 from engine.config import EngineConfig, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 from engine.events import DoneEvent, Event, StepEvent, TrimEvent
+from engine.kv import precision
 from engine.kv.base import KVCache, KVStats
 from engine.kv.contiguous import ContiguousCache
 from engine.kv.paged import PagedCache
@@ -67,7 +68,9 @@ def make_cache(strategy: str, engine: Engine, block_size: int, pool_tokens: int 
 
 
 def _new_cache(strategy: str, engine: Engine, block_size: int, pool_tokens: int | None) -> KVCache:
-    args = (engine.model_config, engine.dtype, engine.device, engine.max_context)
+    # contiguous and paged store K/V in the KV precision; paged-int8 its own codes (windows in the activations')
+    dtype = engine.kv_dtype if strategy in ("contiguous", "paged") else engine.dtype
+    args = (engine.model_config, dtype, engine.device, engine.max_context)
     if strategy == "none":
         return RecomputeCache(*args)
     if strategy == "contiguous":
@@ -96,6 +99,7 @@ class Engine:
                                model.rotary.cos.shape[0])
         self.stop_token_ids = self._stop_tokens()
         self._cancel = threading.Event()
+        self.kv_dtype = precision.resolve(self.config.kv_dtype, self.device, self.dtype, loader.cache_root())
         self.cache = make_cache(self.config.cache, self, self.config.block_size, self.config.pool_tokens)
 
     @classmethod
@@ -105,6 +109,8 @@ class Engine:
         config = config or EngineConfig()
         if config.weights is None:
             config = EngineConfig(**{**config.__dict__, "weights": "auto"})
+        if config.kv_dtype is None:
+            config = EngineConfig(**{**config.__dict__, "kv_dtype": "auto"})
         fmt = None if config.weights == "auto" else config.weights
         weights = loader.load_weights(model, progress, fmt)
         if config.weights == "auto":
@@ -165,6 +171,18 @@ class Engine:
         self.weight_format = self._apply_weight_format(fmt)
         self.config = EngineConfig(**{**self.config.__dict__, "weights": self.weight_format})
         self.set_cache(self.config.cache)
+
+    def set_kv_dtype(self, kv_dtype: str | None) -> None:
+        """The precision contiguous and paged caches store K/V in (None: the activations'); a new cache, as
+        set_cache builds: every conversation re-prefills its history into it on its next turn."""
+        new_config = EngineConfig(**{**self.config.__dict__, "kv_dtype": kv_dtype})
+        self.kv_dtype = precision.resolve(kv_dtype, self.device, self.dtype, loader.cache_root())
+        self.config = new_config
+        self.set_cache(self.config.cache)
+
+    @property
+    def kv_dtype_name(self) -> str:
+        return str(self.kv_dtype).removeprefix("torch.")
 
     def set_kv_budget(self, mib: float | None) -> None:
         """The most a paged pool may grow to (None: one context's worth); a new cache, as set_cache builds."""

@@ -118,8 +118,8 @@ class Attention(nn.Module):
         self.o_proj = placeholder(c.hidden_size, c.num_heads * c.head_dim)
 
     def forward(self, x, cos, sin, view: StepView, layer: int) -> torch.Tensor:
-        q, k, v = self.rotated_qkv(self.qkv_proj(x), cos, sin)  # [B, H, T, D] each
-        return self.o_proj(view.attend(layer, q, k, v))  # attended: [B, T, Hq * D]
+        q, k, v = self.rotated_qkv(self.qkv_proj.forward(x), cos, sin)  # [B, H, T, D] each
+        return self.o_proj.forward(view.attend(layer, q, k, v))  # attended: [B, T, Hq * D]
 
     def rotated_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> list[torch.Tensor]:
         """qkv: [B, T, (Hq+2Hkv)*D]; cos, sin: [B, 1, T, D] -> q [B, Hq, T, D], k, v [B, Hkv, T, D], rotary on
@@ -141,12 +141,12 @@ class MLP(nn.Module):
         self.down_proj = placeholder(c.hidden_size, c.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        gate_up = self.gate_up_proj.forward(x)
         ops = fused_ops(gate_up)
         if ops is not None:
-            return self.down_proj(ops.silu_mul(gate_up.contiguous()))
+            return self.down_proj.forward(ops.silu_mul(gate_up.contiguous()))
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj.forward(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -160,8 +160,10 @@ class DecoderLayer(nn.Module):
     def forward(self, x, normed, cos, sin, view: StepView, layer: int, next_norm: RMSNorm) -> torch.Tensor:
         """x: the residual stream [B, T, H], updated in place; normed: x through this layer's input norm.
         Returns x through next_norm (the next layer's input norm, or the final norm)."""
-        normed = self.post_attention_layernorm.add_and_norm(x, self.self_attn(normed, cos, sin, view, layer))
-        return next_norm.add_and_norm(x, self.mlp(normed))
+        # children called through forward: a step makes hundreds of these calls, nn.Module's hooks add up
+        attended = self.self_attn.forward(normed, cos, sin, view, layer)
+        normed = self.post_attention_layernorm.add_and_norm(x, attended)
+        return next_norm.add_and_norm(x, self.mlp.forward(normed))
 
 
 class LlamaModel(nn.Module):
@@ -222,7 +224,7 @@ class LlamaModel(nn.Module):
         normed = self.layers[0].input_layernorm(x)
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         for i, (layer, next_norm) in enumerate(zip(self.layers, norms)):
-            normed = layer(x, normed, cos, sin, view, i, next_norm)
+            normed = layer.forward(x, normed, cos, sin, view, i, next_norm)
         return normed
 
     @classmethod

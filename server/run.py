@@ -19,7 +19,7 @@ def run_serve(args) -> int:
     try:
         weights = {"weights": args.weights} if getattr(args, "weights", None) else {}  # default: the engine's auto
         config = EngineConfig(cache=args.cache, block_size=args.block_size or 16, pool_tokens=args.pool_tokens,
-                              **weights)
+                              kv_dtype=getattr(args, "kv_dtype", None), **weights)
         engine = Engine.load(args.model, config)
         scheduler = Scheduler(engine, SchedulerConfig(max_concurrency=args.max_concurrency))
     except Exception as e:  # noqa: BLE001 - a clear message and an exit code, not a traceback

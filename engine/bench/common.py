@@ -100,7 +100,8 @@ class BenchContext:
         return self._text_ids
 
 
-def load_context(model: str | None, quick: bool, tiny: bool = False, weights: str | None = None) -> BenchContext:
+def load_context(model: str | None, quick: bool, tiny: bool = False, weights: str | None = None,
+                 kv_dtype: str | None = None) -> BenchContext:
     """The engine every benchmark shares. tiny: a random tiny Llama written as a Hugging Face folder (the real
     loading path, the real tokenizer, transformers loads it as a peer) and quick sizes: a smoke run."""
     scratch = None
@@ -109,7 +110,8 @@ def load_context(model: str | None, quick: bool, tiny: bool = False, weights: st
         model = str(write_tiny_model(Path(scratch.name) / "tiny-random", tiny_tokenizer(model)))
         status(f"a tiny random model in {model} (--tiny: the numbers mean nothing)")
     status("loading the engine")
-    config = EngineConfig(cache="paged", pool_tokens=1024, weights=weights)  # benchmarks build their own caches
+    config = EngineConfig(cache="paged", pool_tokens=1024, weights=weights, kv_dtype=kv_dtype)  # benchmarks build
+    # their own caches, contiguous and paged ones in the engine's KV precision
     engine = Engine.load(model, config, progress=lambda message, _fraction: status(message))
     return BenchContext(engine, model, quick or tiny, tiny, _scratch=scratch)
 
@@ -164,7 +166,8 @@ def random_ids(n: int, vocab_size: int, seed: int = SEED) -> list[int]:
 # ---- caches
 def make_cache(engine: Engine, strategy: str, block_size: int = 16, pool_tokens: int | None = None,
                max_context: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
-    args = (engine.model_config, dtype or engine.dtype, engine.device, max_context or engine.max_context)
+    kv_dtype = engine.kv_dtype if strategy in ("contiguous", "paged") else engine.dtype
+    args = (engine.model_config, dtype or kv_dtype, engine.device, max_context or engine.max_context)
     if strategy == "none":
         return RecomputeCache(*args)
     if strategy == "contiguous":
@@ -235,7 +238,7 @@ def machine_info(engine: Engine) -> dict:
         "device": str(engine.device),
         "model": engine.model_name,
         "model_dtype": engine.dtype_name,
-        "cache_dtypes": {"contiguous": engine.dtype_name, "paged": engine.dtype_name,
+        "cache_dtypes": {"contiguous": engine.kv_dtype_name, "paged": engine.kv_dtype_name,
                          "paged-int8": "int8 + float16 scales"},
         "max_context": engine.max_context,
     }

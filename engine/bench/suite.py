@@ -23,6 +23,7 @@ from engine.bench import (
     report,
     serve,
     speculative,
+    step,
     targets,
     turns,
 )
@@ -32,6 +33,7 @@ from engine.loader import ModelLoadError
 BENCHMARKS = {
     "recompute": recompute,
     "decode": decode,
+    "step": step,
     "prefill": prefill,
     "turns": turns,
     "branches": branches,
@@ -67,7 +69,7 @@ def run_bench(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     try:
         ctx = load_context(args.model, args.quick, tiny=getattr(args, "tiny", False),
-                           weights=getattr(args, "weights", None))
+                           weights=getattr(args, "weights", None), kv_dtype=getattr(args, "kv_dtype", None))
     except ModelLoadError as e:
         print(f"kvscope bench: {e}", file=sys.stderr)
         return 1

@@ -134,7 +134,39 @@ def prefill_targets(r: dict) -> list[Target]:
     return out
 
 
+# ---- step (the step issue: alternating runners in one process)
+def step_targets(r: dict) -> list[Target]:
+    out = []
+    for key, speed in r.get("speed_vs_llama_cpp", {}).items():
+        lat = r["latency_ms"][key]
+        for s in ("paged", "contiguous"):
+            out.append(_check(f"{s} decode speed vs llama.cpp, {key.replace('t/', ' thread(s), context ')}",
+                              speed.get(s), ">=", 1.0, "x", f"{s} {fmt(lat.get(s))} ms vs llama.cpp "
+                              f"{fmt(lat.get('llama.cpp'))} ms per token (alternating, same GGUF and threads)"))
+    by = r.get("bytes", {})
+    grow = _get(by, "growth", "paged")
+    if grow and grow.get("latency") and grow.get("bytes"):
+        out.append(_check(f"paged step growth {by['first']} -> {by['last']} tokens / growth of its bytes",
+                          grow["latency"] / grow["bytes"], "<=", 1.25, "x",
+                          f"latency x{fmt(grow['latency'])} for bytes x{fmt(grow['bytes'])}"))
+    for key, row in by.get("rows", {}).items():
+        if key.split("/")[1] in (str(by.get("first")), str(by.get("last"))):
+            out.append(_check(f"{key.replace('/', ' at ')} tokens: step / roofline (1 thread)", row["multiple"],
+                              "<=", 1.5, "x", f"{fmt(row['ms'])} ms against a bound of {fmt(row['bound_ms'])} ms"))
+    for key, lat in r.get("latency_ms", {}).items():
+        if int(key.split("/")[1]) >= 2048:
+            out.append(_check(f"paged-int8 / paged latency, {key.replace('t/', ' thread(s), context ')}",
+                              _div(lat.get("paged-int8"), lat.get("paged")), "<=", 0.9, "x",
+                              f"paged-int8 {fmt(lat.get('paged-int8'))} ms vs paged {fmt(lat.get('paged'))} ms"))
+    b = r.get("batch", {})
+    out.append(_check(f"a step of {b.get('batch')} sequences at {b.get('context')} tokens / one sequence's",
+                      b.get("batch_over_one"), "<=", 2.5, "x",
+                      f"{fmt(b.get('batch_ms'))} ms vs {fmt(b.get('one_ms'))} ms"))
+    return out
+
+
 EVALUATORS: dict[str, Callable[[dict], list[Target]]] = {
+    "step": step_targets,
     "decode": decode_targets, "prefill": prefill_targets, "turns": turns_targets, "concurrency": concurrency_targets,
 }
 

@@ -109,7 +109,8 @@ def write(k_stores: list[torch.Tensor], v_stores: list[torch.Tensor], k: torch.T
                 plan.setdefault(store, ([], []))[0].append(slot)
                 plan[store][1].append(i)
         dev = k.device
-        keys._scatter = [(s, torch.tensor(sl, device=dev), torch.tensor(src, device=dev)) for s, (sl, src) in plan.items()]
+        keys._scatter = [(store, torch.tensor(slots, device=dev), torch.tensor(sources, device=dev))
+                         for store, (slots, sources) in plan.items()]
     for x, stores in ((k, k_stores), (v, v_stores)):
         rows = x.transpose(0, 1).reshape(x.shape[1], -1, x.shape[3])  # [Hkv, B*T, D]
         for store, slots, sources in keys._scatter:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import ConfigError
+from engine.kv.attention import KeyMap, attend, write
 from engine.kv.base import (
     BLOCK_CACHED,
     BLOCK_FREE,
@@ -29,7 +30,6 @@ from engine.kv.base import (
     KVStats,
     StepView,
 )
-from engine.kv.attention import KeyMap, attend, write
 from engine.kv.block_pool import BlockPool
 from engine.kv.chunks import FIRST_CHUNK_TOKENS, MAX_CHUNK_TOKENS, ChunkLayout, Piece
 

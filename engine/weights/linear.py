@@ -39,7 +39,22 @@ class WeightLinear(nn.Module):
         self.out_features, self.in_features = out_features, in_features
 
     compiled = None  # kvscope's compiled ops where a subclass's decode runs through them: it then defines
-    # compiled_decode(x [..., K] float32 contiguous) -> [..., N]
+    # compiled_decode(x [..., K] float32 contiguous) -> [..., N] over self.kernel_args()
+
+    def kernel_args(self) -> tuple[torch.Tensor, ...]:
+        """The tensors the compiled kernel reads, looked up once (a step calls the kernel hundreds of times;
+        nn.Module attribute lookups cost more than the small ones)."""
+        args = self.__dict__.get("_kernel_args")
+        if args is None:
+            args = self.__dict__["_kernel_args"] = self.kernel_tensors()
+        return args
+
+    def kernel_tensors(self) -> tuple[torch.Tensor, ...]:
+        return ()
+
+    def _apply(self, fn, recurse=True):  # .to() and friends replace the tensors: look them up again
+        self.__dict__.pop("_kernel_args", None)
+        return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.compiled is not None and x.numel() <= DECODE_ROWS * self.in_features \
@@ -81,8 +96,11 @@ class FloatLinear(WeightLinear):
             self.compiled = ops
             self.kernel_name = f"kvscope.float_linear ({self.format_name} weights, float32 activations)"
 
+    def kernel_tensors(self):
+        return (self.weight,)
+
     def compiled_decode(self, x):
-        return self.compiled.float_linear(x, self.weight)
+        return self.compiled.float_linear(x, *self.kernel_args())
 
     def decode(self, x):
         if self.compiled is not None and x.device.type == "cpu":
@@ -114,8 +132,11 @@ class Int8Linear(WeightLinear):
         else:
             self._prepare_torch_kernel()
 
+    def kernel_tensors(self):
+        return self.codes, self.scales
+
     def compiled_decode(self, x):
-        return self.compiled.int8_linear(x, self.codes, self.scales)
+        return self.compiled.int8_linear(x, *self.kernel_args())
 
     def _prepare_torch_kernel(self) -> None:
         n, k = self.out_features, self.in_features
@@ -149,7 +170,6 @@ class Int8Linear(WeightLinear):
         return self.quantized().dequantize(dtype)
 
     def rows(self, index, dtype):
-        n, k = self.out_features, self.in_features
         codes = self.codes[index].to(dtype)  # [..., K]
         scales = self.scales[index].to(dtype)[..., None]  # [..., G, 1]
         return (codes.view(*codes.shape[:-1], -1, self.group_size) * scales).flatten(-2)
@@ -202,8 +222,11 @@ class Int4Linear(WeightLinear):
     def shape(self) -> tuple[int, int]:
         return self.out_features, self.in_features
 
+    def kernel_tensors(self):
+        return self.plain_codes, self.scales, self.minimums
+
     def compiled_decode(self, x):
-        return self.compiled.int4_linear(x, self.plain_codes, self.scales, self.minimums)
+        return self.compiled.int4_linear(x, *self.kernel_args())
 
     def decode(self, x):
         if self.compiled is not None and x.device.type == "cpu":

@@ -1,0 +1,233 @@
+"""step: the decode step against llama.cpp, alternating runners in one process, at one and two threads; a batch
+of 8 sequences against one; how the step grows with the bytes it reads; where one step's time goes.
+
+Every engine runner holds its own prefilled sequence; the runners take turns, TURN steps each, ROUNDS times, so
+a change of machine load falls on all of them alike. llama.cpp (llama-cpp-python, when installed) decodes the
+same GGUF with the same number of threads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.bench import report, roofline
+from engine.bench.common import (
+    BenchContext,
+    make_cache,
+    median,
+    prefill,
+    random_ids,
+    ratio,
+    status,
+    timed_ms,
+    using_cache,
+)
+from engine.bench.peers import llama_cpp_status
+
+CONTEXTS, QUICK_CONTEXTS = (512, 2048, 4096), (512, 2048)
+THREADS = (1, 2)
+ROUNDS, TURN = 6, 8
+STRATEGIES = ("paged", "contiguous", "paged-int8")
+BATCH = 8
+PROFILE_TOP = 12
+
+METHOD = (
+    f"Each runner holds one sequence prefilled to the context; runners alternate, {TURN} single-token steps each, "
+    f"{ROUNDS} rounds, the first round's steps discarded; the median step is reported. Engine steps are "
+    "engine.step (the forward, no sampling); llama.cpp's are Llama.eval of one token on the same GGUF with "
+    "n_threads = n_threads_batch = the engine's threads."
+)
+
+
+def run(ctx: BenchContext, quick: bool) -> dict:
+    room = ctx.engine.max_context - ROUNDS * TURN - 8
+    contexts = [c for c in (QUICK_CONTEXTS if quick else CONTEXTS) if c <= room] or [room // 2]
+    threads_before = torch.get_num_threads()
+    llama = llama_cpp_status(ctx.gguf_path) == "available"
+    out = {"method": METHOD, "contexts": contexts, "threads": list(THREADS), "llama_cpp": llama,
+           "latency_ms": {}, "speed_vs_llama_cpp": {}}
+    try:
+        for threads in THREADS:
+            torch.set_num_threads(threads)
+            peer = LlamaCppRunner(ctx.gguf_path, max(contexts) + ROUNDS * TURN + 8, threads) if llama else None
+            for context in contexts:
+                status(f"step: {threads} thread(s), context {context}")
+                latency = alternate(ctx, context, peer)
+                key = f"{threads}t/{context}"
+                out["latency_ms"][key] = latency
+                if peer is not None:
+                    out["speed_vs_llama_cpp"][key] = {n: ratio(latency["llama.cpp"], ms) for n, ms in latency.items()
+                                                      if n != "llama.cpp"}
+        torch.set_num_threads(1)
+        out["batch"] = batch_scaling(ctx, contexts[0])
+        out["bytes"] = bytes_figures(ctx, out["latency_ms"], contexts)
+        out["profile"] = {str(c): profile_step(ctx, c) for c in dict.fromkeys((contexts[0], contexts[-1]))}
+    finally:
+        torch.set_num_threads(threads_before)
+    return out
+
+
+class LlamaCppRunner:
+    def __init__(self, gguf_path, n_ctx: int, threads: int):
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                         n_batch=512, verbose=False)
+
+    def start(self, ids: list[int]) -> None:
+        self.llm.reset()
+        self.llm.eval(ids)
+        self.position = len(ids)
+
+    def step(self, ids: list[int]) -> float:
+        _, ms = timed_ms(lambda: self.llm.eval([ids[self.position]]))
+        self.position += 1
+        return ms
+
+
+class EngineRunner:
+    def __init__(self, ctx: BenchContext, strategy: str, ids: list[int], context: int):
+        self.engine, self.ids, self.position = ctx.engine, ids, context
+        self.cache = make_cache(ctx.engine, strategy, block_size=16, pool_tokens=context + ROUNDS * TURN + 8)
+        with using_cache(self.engine, self.cache):
+            self.cache.prepare(0, ids[:context])
+            prefill(self.engine, 0, ids[:context])
+
+    def step(self, ids: list[int]) -> float:
+        with using_cache(self.engine, self.cache):
+            _, ms = timed_ms(lambda: self.engine.step([0], [[ids[self.position]]]))
+        self.position += 1
+        return ms
+
+
+def alternate(ctx: BenchContext, context: int, peer: LlamaCppRunner | None) -> dict[str, float]:
+    ids = random_ids(context + ROUNDS * TURN + 8, ctx.engine.model_config.vocab_size)
+    runners: dict[str, object] = {s: EngineRunner(ctx, s, ids, context) for s in STRATEGIES}
+    if peer is not None:
+        peer.start(ids[:context])
+        runners["llama.cpp"] = peer
+    samples: dict[str, list[float]] = {name: [] for name in runners}
+    for round_ in range(ROUNDS):
+        order = list(runners.items()) if round_ % 2 == 0 else list(runners.items())[::-1]
+        for name, runner in order:
+            times = [runner.step(ids) for _ in range(TURN)]
+            if round_:
+                samples[name] += times
+    for runner in runners.values():
+        if isinstance(runner, EngineRunner):
+            runner.cache.release(0)
+    return {name: median(ms) for name, ms in samples.items()}
+
+
+def batch_scaling(ctx: BenchContext, context: int) -> dict:
+    """One paged pool: a step of BATCH sequences at `context` tokens each against a step of one of them."""
+    e = ctx.engine
+    ids = random_ids(BATCH * (context + 64), e.model_config.vocab_size)
+    cache = make_cache(e, "paged", block_size=16, pool_tokens=BATCH * (context + ROUNDS * TURN + 16))
+    seqs = list(range(BATCH))
+    with using_cache(e, cache):
+        for s in seqs:
+            prompt = ids[s * context:(s + 1) * context]
+            cache.prepare(s, prompt)
+            prefill(e, s, prompt)
+        one, many = [], []
+        for round_ in range(ROUNDS):
+            a = [timed_ms(lambda: e.step([0], [[7]]))[1] for _ in range(TURN)]
+            b = [timed_ms(lambda: e.step(seqs, [[7]] * BATCH))[1] for _ in range(TURN)]
+            if round_:
+                one += a
+                many += b
+    return {"context": context, "batch": BATCH, "one_ms": median(one), "batch_ms": median(many),
+            "batch_over_one": ratio(median(many), median(one))}
+
+
+def bytes_figures(ctx: BenchContext, latency: dict, contexts: list[int]) -> dict:
+    """Bytes each strategy's step reads at each context, the lower bound they give, and the measured multiple."""
+    e = ctx.engine
+    weights = roofline.weight_bytes(e.model)
+    per_token = {s: make_cache(e, s, block_size=16, pool_tokens=16).bytes_per_block() / 16 if s != "contiguous"
+                 else e.model_config.kv_bytes_per_token(e.cache.bytes_per_element) for s in STRATEGIES}
+    bw = roofline.measure_bandwidth(256)
+    rows = {}
+    for s in STRATEGIES:
+        for c in contexts:
+            read = roofline.step_bytes(weights, per_token[s], c)
+            ms = latency.get(f"1t/{c}", {}).get(s)
+            bound = roofline.lower_bound_ms(read, bw.single_thread_gbs)
+            rows[f"{s}/{c}"] = {"bytes": read, "bound_ms": bound, "ms": ms, "multiple": ratio(ms, bound)}
+    first, last = contexts[0], contexts[-1]
+    grows = {s: {"latency": ratio(rows[f"{s}/{last}"]["ms"], rows[f"{s}/{first}"]["ms"]),
+                 "bytes": ratio(rows[f"{s}/{last}"]["bytes"], rows[f"{s}/{first}"]["bytes"])} for s in STRATEGIES}
+    return {"weights": weights, "kv_bytes_per_token": per_token, "bandwidth": bw.__dict__, "rows": rows,
+            "growth": grows, "first": first, "last": last}
+
+
+def profile_step(ctx: BenchContext, context: int) -> list[dict]:
+    """The ops of one paged decode step at `context` tokens (1 thread), by self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    e = ctx.engine
+    ids = random_ids(context + 16, e.model_config.vocab_size)
+    cache = make_cache(e, "paged", block_size=16, pool_tokens=context + 16)
+    with using_cache(e, cache):
+        cache.prepare(0, ids[:context])
+        prefill(e, 0, ids[:context])
+        for i in range(3):
+            e.step([0], [[ids[context + i]]])
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for i in range(5):
+                e.step([0], [[ids[context + 3 + i]]])
+    events = sorted(prof.key_averages(), key=lambda ev: ev.self_cpu_time_total, reverse=True)
+    total = sum(ev.self_cpu_time_total for ev in events) or 1
+    return [{"op": ev.key, "calls_per_step": ev.count / 5, "ms_per_step": ev.self_cpu_time_total / 5 / 1000,
+             "share": ev.self_cpu_time_total / total} for ev in events[:PROFILE_TOP]]
+
+
+def summarize(r: dict) -> str:
+    names = [*STRATEGIES, *(["llama.cpp"] if r["llama_cpp"] else [])]
+    rows = []
+    for key, latency in r["latency_ms"].items():
+        speed = r["speed_vs_llama_cpp"].get(key, {})
+        rows.append([key, *[latency.get(n) for n in names], *[speed.get(s) for s in STRATEGIES if r["llama_cpp"]]])
+    heads = ["threads/context", *[f"{n} (ms)" for n in names],
+             *([f"{s} speed vs llama.cpp" for s in STRATEGIES] if r["llama_cpp"] else [])]
+    b = r["batch"]
+    by = r["bytes"]
+    byte_rows = [[k, v["bytes"] / 1e6, v["bound_ms"], v["ms"], v["multiple"]] for k, v in by["rows"].items()]
+    growth = "; ".join(f"{s}: latency x{report.fmt(g['latency'])} for bytes x{report.fmt(g['bytes'])}"
+                       for s, g in by["growth"].items())
+    profiles = [report.md_table(["op", "calls / step", "ms / step", "share"],
+                                [[p["op"], p["calls_per_step"], p["ms_per_step"], report.pct(p["share"])]
+                                 for p in prof]) for prof in r["profile"].values()]
+    return report.section(
+        "step: the decode step against llama.cpp (alternating, one process)", r["method"],
+        report.md_table(heads, rows),
+        f"Batch: {b['batch']} sequences at {b['context']} tokens each take {report.fmt(b['batch_ms'])} ms a step, "
+        f"one takes {report.fmt(b['one_ms'])} ms: x{report.fmt(b['batch_over_one'])}.",
+        f"Bytes read per step (weights {by['weights'] / 1e6:.1f} MB; 1-thread read bandwidth "
+        f"{by['bandwidth']['single_thread_gbs']:.1f} GB/s) and the lower bound they give at one thread. "
+        f"From {by['first']} to {by['last']} tokens: {growth}.",
+        report.md_table(["strategy/context", "MB read", "bound (ms)", "measured (ms)", "measured / bound"],
+                        byte_rows),
+        *[f"Profile of a paged step at {c} tokens (1 thread):\n\n{t}" for c, t in zip(r["profile"], profiles)],
+    )
+
+
+def plot(r: dict, path) -> None:
+    fig, (ax1, ax2) = report.figure(2, width=7)
+    for threads in r["threads"]:
+        keys = [k for k in r["latency_ms"] if k.startswith(f"{threads}t/")]
+        xs = [int(k.split("/")[1]) for k in keys]
+        for name in [*STRATEGIES, *(["llama.cpp"] if r["llama_cpp"] else [])]:
+            report.line(ax1, f"{name}, {threads} thread{'s' if threads > 1 else ''}", xs,
+                        [r["latency_ms"][k].get(name) for k in keys], fmt="o-" if threads == 1 else "s--")
+    ax1.set(xlabel="context (tokens)", ylabel="ms per decode step", title="decode step (alternating runners)")
+    rows = r["bytes"]["rows"]
+    for s in STRATEGIES:
+        keys = [k for k in rows if k.startswith(f"{s}/")]
+        report.line(ax2, s, [int(k.split("/")[1]) for k in keys], [rows[k]["multiple"] for k in keys])
+    ax2.axhline(1.5, color="grey", linestyle=":", label="1.5x the roofline")
+    ax2.set(xlabel="context (tokens)", ylabel="measured / lower bound", title="step vs its bytes (1 thread)")
+    report.legend_outside(ax1)
+    report.legend_outside(ax2)
+    report.save(fig, path)
