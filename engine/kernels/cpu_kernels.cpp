@@ -610,26 +610,38 @@ void tile_rows(const R& reader, int64_t k0, int64_t k1, int64_t d, std::vector<c
   for (int64_t p = k0; p < k1; ++p) rows[p - k0] = reader.row(p, scratch.data() + (p - k0) * d, d);
 }
 
-// scores of one query against keys 0..n-1 (rows k), four keys at a time (independent chains); each score is
-// the same dot product whatever the grouping: q[0:8] * k[0:8], then fused multiply-adds in order, then the lanes
-inline void score_keys(const float* q, const float* const* k, int64_t n, int64_t d, float* out) {
-  int64_t p = 0;
 #ifdef KVSCOPE_AVX2
-  for (; p + 4 <= n; p += 4) {
+// the lane sums of four accumulators -> [sum a0, sum a1, sum a2, sum a3]
+inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+#endif
+
+// scores of one query against keys 0..n-1 (rows k), four keys at a time; a last group of fewer than four reads
+// its last key again in the missing places and drops those scores, so every score is reduced the same way
+inline void score_keys(const float* q, const float* const* k, int64_t n, int64_t d, float* out) {
+#ifdef KVSCOPE_AVX2
+  for (int64_t p = 0; p < n; p += 4) {
+    const float* r[4];
+    for (int64_t j = 0; j < 4; ++j) r[j] = k[std::min(p + j, n - 1)];
     __m256 q0 = _mm256_loadu_ps(q);
-    __m256 a0 = _mm256_mul_ps(q0, _mm256_loadu_ps(k[p])), a1 = _mm256_mul_ps(q0, _mm256_loadu_ps(k[p + 1]));
-    __m256 a2 = _mm256_mul_ps(q0, _mm256_loadu_ps(k[p + 2])), a3 = _mm256_mul_ps(q0, _mm256_loadu_ps(k[p + 3]));
+    __m256 a0 = _mm256_mul_ps(q0, _mm256_loadu_ps(r[0])), a1 = _mm256_mul_ps(q0, _mm256_loadu_ps(r[1]));
+    __m256 a2 = _mm256_mul_ps(q0, _mm256_loadu_ps(r[2])), a3 = _mm256_mul_ps(q0, _mm256_loadu_ps(r[3]));
     for (int64_t j = 8; j < d; j += 8) {
       __m256 qj = _mm256_loadu_ps(q + j);
-      a0 = _mm256_fmadd_ps(qj, _mm256_loadu_ps(k[p] + j), a0);
-      a1 = _mm256_fmadd_ps(qj, _mm256_loadu_ps(k[p + 1] + j), a1);
-      a2 = _mm256_fmadd_ps(qj, _mm256_loadu_ps(k[p + 2] + j), a2);
-      a3 = _mm256_fmadd_ps(qj, _mm256_loadu_ps(k[p + 3] + j), a3);
+      a0 = _mm256_fmadd_ps(qj, _mm256_loadu_ps(r[0] + j), a0);
+      a1 = _mm256_fmadd_ps(qj, _mm256_loadu_ps(r[1] + j), a1);
+      a2 = _mm256_fmadd_ps(qj, _mm256_loadu_ps(r[2] + j), a2);
+      a3 = _mm256_fmadd_ps(qj, _mm256_loadu_ps(r[3] + j), a3);
     }
-    out[p] = hsum(a0), out[p + 1] = hsum(a1), out[p + 2] = hsum(a2), out[p + 3] = hsum(a3);
+    alignas(16) float four[4];
+    _mm_store_ps(four, hsum4(a0, a1, a2, a3));
+    for (int64_t j = 0; j < 4 && p + j < n; ++j) out[p + j] = four[j];
   }
+#else
+  for (int64_t p = 0; p < n; ++p) out[p] = dot<float>(q, k[p], d);
 #endif
-  for (; p < n; ++p) out[p] = dot<float>(q, k[p], d);
 }
 
 // out[0..d) += sum over p < n of e[p] * v[p], in position order per lane; D/8 accumulators in registers for D 64
