@@ -69,12 +69,22 @@ def test_auto_picks_a_measured_precision_and_remembers_it(tmp_path):
     assert resolve(None, torch.device("cpu"), torch.float32, tmp_path) == torch.float32
 
 
+@pytest.fixture(scope="module")
+def english_384(tokenizer) -> list[int]:
+    return english_ids(tokenizer, 384)
+
+
+@pytest.fixture(scope="module")
+def float32_kv_reference(default_engine, english_384) -> torch.Tensor:
+    default_engine.set_kv_dtype(None)
+    return log_probs(default_engine, english_384)
+
+
 @pytest.mark.default_model
 @pytest.mark.parametrize("kv_dtype", PRECISIONS)
-def test_a_16_bit_cache_stays_within_the_quality_bound_on_real_english(default_engine, tokenizer, kv_dtype):
-    ids = english_ids(tokenizer, 512)
-    default_engine.set_kv_dtype(None)
-    reference = log_probs(default_engine, ids)
+def test_a_16_bit_cache_stays_within_the_quality_bound_on_real_english(default_engine, english_384,
+                                                                        float32_kv_reference, kv_dtype):
+    ids, reference = english_384, float32_kv_reference
     try:
         default_engine.set_kv_dtype(kv_dtype)
         got = log_probs(default_engine, ids)

@@ -44,10 +44,11 @@ def run(ctx: BenchContext, quick: bool) -> dict:
     contexts = [c for c in (QUICK_CONTEXTS if quick else CONTEXTS) if c <= room] or [room // 2]
     threads_before = torch.get_num_threads()
     llama = llama_cpp_status(ctx.gguf_path) == "available"
-    out = {"method": METHOD, "contexts": contexts, "threads": list(THREADS), "llama_cpp": llama,
+    out = {"method": METHOD, "contexts": contexts, "threads": list(THREADS[:1] if ctx.tiny else THREADS),
+           "llama_cpp": llama,
            "latency_ms": {}, "speed_vs_llama_cpp": {}}
     try:
-        for threads in THREADS:
+        for threads in THREADS[:1] if ctx.tiny else THREADS:
             torch.set_num_threads(threads)
             peer = LlamaCppRunner(ctx.gguf_path, max(contexts) + ROUNDS * TURN + 8, threads) if llama else None
             for context in contexts:
