@@ -33,7 +33,7 @@ def resolve(kv_dtype: str | None, device: torch.device, activations: torch.dtype
         return torch.float16
     if kernels.ops() is None or activations != torch.float32:
         return activations
-    key = f"{AUTO_KEY}|{cpu_model()}|torch {torch.__version__}|threads {torch.get_num_threads()}"
+    key = f"{AUTO_KEY}|{cpu_model()}|torch {torch.__version__}|threads {torch.get_num_threads()}|{kernels.TAG}"
     remembered = _read_choices(cache_dir)
     if key not in remembered:
         timings = measure_attention()

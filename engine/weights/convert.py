@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engine import kernels
 from engine.machine import cpu_model
 from engine.weights.formats import QuantizedWeight, check_format, quantize_int4, quantize_int8
 from engine.weights.linear import FloatLinear, Int4Linear, Int8Linear, WeightLinear, build_linear
@@ -79,7 +80,8 @@ def resolve_auto(device: torch.device, shape: tuple[int, int], cache_dir: Path |
     torch and threads."""
     if device.type != "cpu":
         return "bfloat16"
-    key = f"{cpu_model()}|torch {torch.__version__}|threads {torch.get_num_threads()}|{shape[0]}x{shape[1]}"
+    key = f"{cpu_model()}|torch {torch.__version__}|threads {torch.get_num_threads()}|{shape[0]}x{shape[1]}" \
+          f"|{kernels.TAG if kernels.available() else 'torch kernels'}"  # new kernels: measured again
     remembered = _read_choices(cache_dir)
     if key in remembered:
         return remembered[key]["choice"]
@@ -90,21 +92,28 @@ def resolve_auto(device: torch.device, shape: tuple[int, int], cache_dir: Path |
     return choice
 
 
-def measure_decode_formats(shape: tuple[int, int], repeats: int = 30) -> dict[str, float]:
-    """Median microseconds of one decode-row product of a random [N, K] weight in each format."""
+def measure_decode_formats(shape: tuple[int, int], repeats: int = 15,
+                           stream_bytes: int = 96 * 2**20) -> dict[str, float]:
+    """Median microseconds of one decode row through a random [N, K] weight in each format. The weight is repeated
+    until its float32 copies exceed the processor's caches (stream_bytes), and the row goes through every copy,
+    as a step goes through every layer: a weight that fits in a cache would time compute alone, not the bytes a
+    real model streams from memory."""
     n, k = shape
     w = torch.randn(n, k) * 0.02
     x = torch.randn(1, k)
+    copies = max(1, -(-stream_bytes // (n * k * 4)))
     timings = {}
     for fmt in ("float32", "bfloat16", "int8", "int4"):
-        module = build_linear(to_format(w, fmt))
+        modules = [build_linear(to_format(w, fmt)) for _ in range(copies)]
         samples = []
-        for i in range(repeats + 3):
+        for i in range(repeats + 2):
             start = time.perf_counter()
-            module(x)
-            if i >= 3:
-                samples.append(time.perf_counter() - start)
+            for module in modules:
+                module(x)
+            if i >= 2:
+                samples.append((time.perf_counter() - start) / copies)
         timings[fmt] = round(sorted(samples)[len(samples) // 2] * 1e6, 1)
+        del modules
     return timings
 
 
