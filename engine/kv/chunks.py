@@ -29,16 +29,6 @@ class Piece:
         return isinstance(self.slots, slice)
 
 
-@dataclass(frozen=True)
-class WriteGroup:
-    """New tokens that go to one chunk: their slots there and their indices among all new tokens of the step
-    (None when every new token of the step goes to this chunk, in order)."""
-
-    chunk: int
-    slots: list[int]
-    sources: list[int] | None
-
-
 class ChunkLayout:
     def __init__(self, block_size: int, max_blocks: int, first_chunk_blocks: int, max_chunk_blocks: int):
         if min(block_size, max_blocks, first_chunk_blocks) < 1 or max_chunk_blocks < first_chunk_blocks:
@@ -88,11 +78,6 @@ class ChunkLayout:
         chunk = self.chunk_of[block]
         return chunk, block - self.starts[chunk]
 
-    def local_slot(self, table: list[int], position: int) -> tuple[int, int]:
-        """(chunk, slot in the chunk) of the token at `position` of a sequence with this block table."""
-        chunk, offset = self.locate(table[position // self.block_size])
-        return chunk, offset * self.block_size + position % self.block_size
-
     def pieces(self, table: list[int], length: int) -> list[Piece]:
         """The first `length` tokens of a sequence, one piece per chunk they touch (in order of first use)."""
         n = -(-length // self.block_size)
@@ -116,19 +101,3 @@ class ChunkLayout:
             return None
         bs = self.block_size
         return [p for i in order for p in range(i * bs, min((i + 1) * bs, length))]
-
-    def write_groups(self, tables: list[list[int]], past: list[int], n_new: list[int]) -> list[WriteGroup]:
-        """Where the new tokens of a step go, grouped by chunk (sources in the order the tokens are given)."""
-        by_chunk: dict[int, tuple[list[int], list[int]]] = {}
-        source = 0
-        for table, p0, n in zip(tables, past, n_new):
-            for position in range(p0, p0 + n):
-                chunk, slot = self.local_slot(table, position)
-                slots, sources = by_chunk.setdefault(chunk, ([], []))
-                slots.append(slot)
-                sources.append(source)
-                source += 1
-        if len(by_chunk) == 1:
-            ((chunk, (slots, _)),) = by_chunk.items()
-            return [WriteGroup(chunk, slots, None)]
-        return [WriteGroup(chunk, slots, sources) for chunk, (slots, sources) in by_chunk.items()]
