@@ -93,7 +93,7 @@ def resolve_auto(device: torch.device, shape: tuple[int, int], cache_dir: Path |
 
 
 def measure_decode_formats(shape: tuple[int, int], repeats: int = 15,
-                           stream_bytes: int = 96 * 2**20) -> dict[str, float]:
+                           stream_bytes: int = 256 * 2**20) -> dict[str, float]:
     """Median microseconds of one decode row through a random [N, K] weight in each format. The weight is repeated
     until its float32 copies exceed the processor's caches (stream_bytes), and the row goes through every copy,
     as a step goes through every layer: a weight that fits in a cache would time compute alone, not the bytes a
