@@ -218,3 +218,10 @@ def test_a_conversion_finished_meanwhile_by_another_process_is_kept(tmp_path):
     (target / "model.safetensors").unlink()  # a folder without weights (an older layout) is replaced
     loader._publish(staging, target)
     assert (target / "model.safetensors").read_text() == "ours" and not staging.exists()
+
+
+def test_auto_takes_the_smaller_format_when_a_bigger_one_is_barely_faster():
+    from engine.weights.convert import fastest_or_smallest
+
+    assert fastest_or_smallest({"float32": 292.6, "bfloat16": 457.4, "int8": 331.2, "int4": 316.6}) == "int4"
+    assert fastest_or_smallest({"float32": 200.0, "bfloat16": 400.0, "int8": 300.0, "int4": 300.0}) == "float32"

@@ -219,9 +219,9 @@ def plot(r: dict, path) -> None:
     for threads in r["threads"]:
         keys = [k for k in r["latency_ms"] if k.startswith(f"{threads}t/")]
         xs = [int(k.split("/")[1]) for k in keys]
-        for name in [*STRATEGIES, *(["llama.cpp"] if r["llama_cpp"] else [])]:
-            report.line(ax1, f"{name}, {threads} thread{'s' if threads > 1 else ''}", xs,
-                        [r["latency_ms"][k].get(name) for k in keys], fmt="o-" if threads == 1 else "s--")
+        for name in [*STRATEGIES, *(["llama.cpp"] if r["llama_cpp"] else [])]:  # colour: runner; line: threads
+            ax1.plot(xs, [r["latency_ms"][k].get(name) for k in keys], "o-" if threads == 1 else "s--", ms=4,
+                     color=report.color(name), label=f"{name}, {threads} thread{'s' if threads > 1 else ''}")
     ax1.set(xlabel="context (tokens)", ylabel="ms per decode step", title="decode step (alternating runners)")
     rows = r["bytes"]["rows"]
     for s in STRATEGIES:

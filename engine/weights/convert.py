@@ -13,7 +13,13 @@ from torch import nn
 
 from engine import kernels
 from engine.machine import cpu_model
-from engine.weights.formats import QuantizedWeight, check_format, quantize_int4, quantize_int8
+from engine.weights.formats import (
+    QuantizedWeight,
+    bytes_per_parameter,
+    check_format,
+    quantize_int4,
+    quantize_int8,
+)
 from engine.weights.linear import FloatLinear, Int4Linear, Int8Linear, WeightLinear, build_linear
 
 Weight = torch.Tensor | QuantizedWeight
@@ -86,10 +92,21 @@ def resolve_auto(device: torch.device, shape: tuple[int, int], cache_dir: Path |
     if key in remembered:
         return remembered[key]["choice"]
     timings = measure_decode_formats(shape)
-    choice = min(AUTO_CANDIDATES, key=timings.get)
+    choice = fastest_or_smallest(timings)
     remembered[key] = {"choice": choice, "decode_us": timings}
     _write_choices(cache_dir, remembered)
     return choice
+
+
+TIE = 1.15  # formats within this factor of the fastest count as equally fast: the smaller one wins
+
+
+def fastest_or_smallest(timings: dict[str, float]) -> str:
+    """The fastest candidate; among those within TIE of it, the one with the fewest bytes per weight (a local app's
+    memory is the user's, and one layer timed alone flatters the big formats: see measure_decode_formats)."""
+    best = min(timings[f] for f in AUTO_CANDIDATES)
+    near = [f for f in AUTO_CANDIDATES if timings[f] <= best * TIE]
+    return min(near, key=bytes_per_parameter)
 
 
 def measure_decode_formats(shape: tuple[int, int], repeats: int = 15,
