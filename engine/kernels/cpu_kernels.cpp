@@ -937,6 +937,20 @@ struct Int8Stores {
   }
 };
 
+// the int8 pool's tensors: codes, scales and per-sequence float32 windows of rows of D
+void check_int8_pool(const std::vector<at::Tensor>& k_stores, const std::vector<at::Tensor>& v_stores,
+                     const std::vector<at::Tensor>& k_scales, const std::vector<at::Tensor>& v_scales,
+                     const std::vector<at::Tensor>& k_windows, const std::vector<at::Tensor>& v_windows) {
+  check_stores(k_stores, at::kChar, 3, "int8 keys");
+  check_stores(v_stores, at::kChar, 3, "int8 values");
+  check_stores(k_scales, at::kHalf, 3, "key scales");
+  check_stores(v_scales, at::kHalf, 2, "value scales");
+  check_stores(k_windows, at::kFloat, 3, "key windows");
+  check_stores(v_windows, at::kFloat, 3, "value windows");
+  for (const auto* windows : {&k_windows, &v_windows})
+    for (const auto& w : *windows) TORCH_CHECK(w.stride(1) == w.size(2), "windows: contiguous rows of D");
+}
+
 // the int8 paged pool's writes: each new token goes to its sequence's float32 window (row p % block_size); when
 // that fills a block, the block is quantized into its store: keys per channel (a float16 scale per channel
 // over the block's tokens), values per token (one float16 scale), code = round(x / scale) in -127..127
@@ -958,12 +972,7 @@ void write_kv_int8(std::vector<at::Tensor> k_stores, std::vector<at::Tensor> v_s
   int64_t b = k.size(0), h = k.size(1), t = k.size(2), d = k.size(3), bs = block_size;
   TORCH_CHECK(static_cast<int64_t>(k_windows.size()) == b && static_cast<int64_t>(v_windows.size()) == b,
               "one window per sequence");
-  check_stores(k_stores, at::kChar, 3, "int8 keys");
-  check_stores(v_stores, at::kChar, 3, "int8 values");
-  check_stores(k_scales, at::kHalf, 3, "key scales");
-  check_stores(v_scales, at::kHalf, 2, "value scales");
-  check_stores(k_windows, at::kFloat, 3, "key windows");
-  check_stores(v_windows, at::kFloat, 3, "value windows");
+  check_int8_pool(k_stores, v_stores, k_scales, v_scales, k_windows, v_windows);
   StoreAddresses<int8_t> kq(k_stores), vq(v_stores);
   StoreAddresses<at::Half> ks(k_scales), vs(v_scales);
   StoreAddresses<float> kw(k_windows), vw(v_windows);
@@ -1012,14 +1021,7 @@ at::Tensor attention_int8(const at::Tensor& q, std::vector<at::Tensor> k_stores,
                   v_scales.size() == k_stores.size(), "stores and scales per chunk");
   TORCH_CHECK(k_windows.size() == static_cast<size_t>(q.size(0)) && v_windows.size() == k_windows.size(),
               "one window per sequence");
-  check_stores(k_stores, at::kChar, 3, "int8 keys");
-  check_stores(v_stores, at::kChar, 3, "int8 values");
-  check_stores(k_scales, at::kHalf, 3, "key scales");
-  check_stores(v_scales, at::kHalf, 2, "value scales");
-  check_stores(k_windows, at::kFloat, 3, "key windows");
-  check_stores(v_windows, at::kFloat, 3, "value windows");
-  for (const auto& w : k_windows) TORCH_CHECK(w.stride(1) == w.size(2), "windows: contiguous rows of D");
-  for (const auto& w : v_windows) TORCH_CHECK(w.stride(1) == w.size(2), "windows: contiguous rows of D");
+  check_int8_pool(k_stores, v_stores, k_scales, v_scales, k_windows, v_windows);
   StepMap map = step_map(table, block_store, block_start, block_size, q_pos);
   Int8Stores stores{{k_stores}, {v_stores}, {k_scales}, {v_scales}, {k_windows}, {v_windows}, map, k_stores[0].size(0)};
   return run_attention(q, map, stores);
