@@ -81,11 +81,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
-def fused_ops(x: torch.Tensor):
-    """kvscope's compiled kernels for float32 activations on the CPU (engine/kernels), else None: plain torch."""
-    return kernels.ops() if x.device.type == "cpu" and x.dtype == torch.float32 else None
-
-
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -93,7 +88,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = fused_ops(x)
+        ops = kernels.for_activations(x)
         if ops is not None:
             return ops.rms_norm(x.contiguous(), self.weight, self.eps)
         if x.dtype == torch.float32:
@@ -103,7 +98,7 @@ class RMSNorm(nn.Module):
 
     def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """The residual stream x += delta (in place), then its norm."""
-        ops = fused_ops(x)
+        ops = kernels.for_activations(x)
         if ops is not None and x.is_contiguous():
             return ops.add_rms_norm(x, delta.contiguous(), self.weight, self.eps)
         x.add_(delta)
@@ -126,7 +121,7 @@ class Attention(nn.Module):
         q and k (one fused op where the kernels run)."""
         b, t, _ = qkv.shape
         d, hq, hkv = self.head_dim, self.num_heads, self.num_kv_heads
-        ops = fused_ops(qkv)
+        ops = kernels.for_activations(qkv)
         if ops is not None:
             return ops.rope_qkv(qkv.contiguous(), cos[:, 0], sin[:, 0], hq, hkv)
         q, k, v = qkv.view(b, t, hq + 2 * hkv, d).transpose(1, 2).split([hq, hkv, hkv], dim=1)
@@ -142,7 +137,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj.forward(x)
-        ops = fused_ops(gate_up)
+        ops = kernels.for_activations(gate_up)
         if ops is not None:
             return self.down_proj.forward(ops.silu_mul(gate_up.contiguous()))
         gate, up = gate_up.split(self.intermediate, dim=-1)

@@ -77,6 +77,11 @@ def ops() -> object | None:
     return _load() if _wanted else None
 
 
+def for_activations(x: torch.Tensor) -> object | None:
+    """The compiled ops when x holds float32 activations on the CPU (what every kernel of a step takes), else None."""
+    return ops() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+
+
 def available() -> bool:
     return ops() is not None
 

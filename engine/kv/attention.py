@@ -89,14 +89,10 @@ class KeyMap:
         return self._gather
 
 
-def compiled(x: torch.Tensor):
-    return kernels.ops() if x.device.type == "cpu" and x.dtype == torch.float32 else None
-
-
 def write(k_stores: list[torch.Tensor], v_stores: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
           keys: KeyMap) -> None:
     """The step's new keys and values k, v: [B, Hkv, T, D] into their stores, where keys.store_of/slot_of say."""
-    ops = compiled(k)
+    ops = kernels.for_activations(k)
     if ops is not None and k_stores[0].dtype in (torch.float32, torch.bfloat16, torch.float16):
         ops.write_kv(k_stores, v_stores, k.contiguous(), v.contiguous(), keys.store_of, keys.slot_of)
         return
@@ -119,7 +115,7 @@ def write(k_stores: list[torch.Tensor], v_stores: list[torch.Tensor], k: torch.T
 
 def attend(q: torch.Tensor, k_stores: list[torch.Tensor], v_stores: list[torch.Tensor], keys: KeyMap) -> torch.Tensor:
     """q: [B, Hq, T, D]; stores: [Hkv, slots, D] each -> [B, T, Hq * D] (zeros for padding rows)."""
-    ops = compiled(q)
+    ops = kernels.for_activations(q)
     if ops is not None:
         return ops.attention(q.contiguous(), k_stores, v_stores, keys.table, keys.block_store, keys.block_start,
                              keys.block_size, keys.q_pos)

@@ -24,7 +24,7 @@ class Int8View(PagedView):
 
     def attend(self, layer, q, k, v):
         c = self.cache
-        ops = kernels.ops() if q.device.type == "cpu" and c.dtype == torch.float32 else None
+        ops = kernels.for_activations(q)
         if ops is None:
             for i, seq_id in enumerate(self.seq_ids):
                 c.store(layer, self.tables[i], c.windows[seq_id], self.past[i], k[i, :, : self.n_new[i]],
