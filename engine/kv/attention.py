@@ -53,12 +53,10 @@ class KeyMap:
         positions = [[p + j if j < n else -1 for j in range(t)] for p, n in zip(past, n_new)]
         q_pos = torch.tensor(positions, dtype=torch.int32, device=device)
         keys = cls(table, block_store, block_start, block_size, q_pos, [p + n for p, n in zip(past, n_new)])
-        stores, starts = block_store.tolist(), block_start.tolist()
-        blocks = [[tab[p // block_size] if p >= 0 else -1 for p in row] for tab, row in zip(tables, positions)]
-        keys.store_of = torch.tensor([[stores[b] if b >= 0 else -1 for b in row] for row in blocks],
-                                     dtype=torch.int32, device=device)
-        keys.slot_of = torch.tensor([[starts[b] + p % block_size if b >= 0 else 0 for b, p in zip(brow, prow)]
-                                     for brow, prow in zip(blocks, positions)], dtype=torch.int32, device=device)
+        valid, pos = q_pos >= 0, q_pos.clamp(min=0).long()  # [B, T]
+        blocks = table.long().gather(1, pos // block_size)  # the block each new token falls in
+        keys.store_of = torch.where(valid, block_store[blocks], -1).int()
+        keys.slot_of = torch.where(valid, block_start[blocks] + pos % block_size, 0).int()
         return keys
 
     @classmethod
