@@ -65,7 +65,7 @@ def test_gguf_blocks_load_as_the_same_integers(tiny_gguf, name, heads, bits):
 
 def test_a_tiny_gguf_gives_the_logits_transformers_computes_from_the_same_file(tiny_gguf):
     path, _ = tiny_gguf
-    engine = Engine.load(str(path), EngineConfig(cache="paged", weights="float32"))
+    engine = Engine.load(str(path), EngineConfig(cache="paged", weights="float32", kv_dtype="float32"))
     hf = LlamaForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     ids = engine.tokenizer.encode("The KV cache keeps keys and values.", add_special_tokens=False)
     engine.cache.prepare(1, ids)
