@@ -24,6 +24,25 @@ from engine import kernels
 TILE = 16  # the pure PyTorch path pads a batch's keys to a multiple of this
 
 
+@dataclass(frozen=True)
+class LayerAttention:
+    """How one layer attends, beyond plain causal attention over everything held (an architecture's switches).
+
+    scale: the scores' factor (None: head_dim ** -0.5); window: a query at position p sees keys at positions
+    > p - window (0: all of them; a sliding-window layer); softcap: scores become softcap * tanh(s / softcap)."""
+
+    scale: float | None = None
+    window: int = 0
+    softcap: float = 0.0
+
+    @property
+    def is_plain(self) -> bool:
+        return self.scale is None and not self.window and not self.softcap
+
+
+PLAIN = LayerAttention()
+
+
 @dataclass
 class KeyMap:
     """Where every key of a step's sequences is, built once per step.
@@ -111,18 +130,21 @@ def write(k_stores: list[torch.Tensor], v_stores: list[torch.Tensor], k: torch.T
             stores[store].index_copy_(1, slots, rows.index_select(1, sources).to(stores[store].dtype))
 
 
-def attend(q: torch.Tensor, k_stores: list[torch.Tensor], v_stores: list[torch.Tensor], keys: KeyMap) -> torch.Tensor:
-    """q: [B, Hq, T, D]; stores: [Hkv, slots, D] each -> [B, T, Hq * D] (zeros for padding rows)."""
-    ops = kernels.for_activations(q)
+def attend(q: torch.Tensor, k_stores: list[torch.Tensor], v_stores: list[torch.Tensor], keys: KeyMap,
+           spec: LayerAttention | None = None) -> torch.Tensor:
+    """q: [B, Hq, T, D]; stores: [Hkv, slots, D] each -> [B, T, Hq * D] (zeros for padding rows). A layer with
+    its own scale, window or soft-cap runs the pure PyTorch path (the compiled kernel does plain attention)."""
+    spec = spec or PLAIN
+    ops = kernels.for_activations(q) if spec.is_plain else None
     if ops is not None:
         return ops.attention(q.contiguous(), k_stores, v_stores, keys.table, keys.block_store, keys.block_start,
                              keys.block_size, keys.q_pos)
     b, hq, t, d = q.shape
-    return attend_gathered(q, k_stores, v_stores, keys).transpose(1, 2).reshape(b, t, hq * d)
+    return attend_gathered(q, k_stores, v_stores, keys, spec).transpose(1, 2).reshape(b, t, hq * d)
 
 
 def attend_gathered(q: torch.Tensor, k_stores: list[torch.Tensor], v_stores: list[torch.Tensor],
-                    keys: KeyMap) -> torch.Tensor:
+                    keys: KeyMap, spec: LayerAttention = PLAIN) -> torch.Tensor:
     """The pure PyTorch path: keys and values gathered in position order, padded to tiles, one masked softmax."""
     b, hq, t, d = q.shape
     hkv = k_stores[0].shape[0]
@@ -130,9 +152,15 @@ def attend_gathered(q: torch.Tensor, k_stores: list[torch.Tensor], v_stores: lis
     k_all = gather(k_stores, index, plan, hkv, b * s_pad, d, q.dtype).view(hkv, b, s_pad, d).transpose(0, 1)
     v_all = gather(v_stores, index, plan, hkv, b * s_pad, d, q.dtype).view(hkv, b, s_pad, d).transpose(0, 1)
     group = hq // hkv
-    queries = q.reshape(b, hkv, group * t, d) * d ** -0.5  # [B, Hkv, G*T, D]: a group's heads share keys
+    scale = d ** -0.5 if spec.scale is None else spec.scale
+    queries = q.reshape(b, hkv, group * t, d) * scale  # [B, Hkv, G*T, D]: a group's heads share keys
     scores = torch.matmul(queries, k_all.transpose(-1, -2)).view(b, hkv, group, t, s_pad)
-    hidden = torch.arange(s_pad, device=q.device)[None, None, :] > keys.q_pos[:, :, None]  # [B, T, S_pad]
+    if spec.softcap:
+        scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    key_pos = torch.arange(s_pad, device=q.device)[None, None, :]
+    hidden = key_pos > keys.q_pos[:, :, None]  # [B, T, S_pad]
+    if spec.window:
+        hidden |= key_pos <= keys.q_pos[:, :, None] - spec.window
     scores.masked_fill_(hidden[:, None, None], float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).nan_to_num_(0.0)  # a padding row: all hidden
     out = torch.matmul(probs.view(b, hkv, group * t, s_pad), v_all)  # [B, Hkv, G*T, D]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ModelConfig
+from engine.kv.attention import LayerAttention
 
 
 class KVCacheFull(RuntimeError):
@@ -36,6 +37,8 @@ class KVStats:
     block_states: bytes = b""  # one byte per physical block, see BLOCK_* below
     bytes_budget: int = 0  # the most the strategy may hold (paged: the pool's budget); 0: no fixed budget
     num_blocks_budget: int = 0  # the most blocks a growing pool may hold (num_blocks: the blocks it holds now)
+    bytes_window: int = 0  # of bytes_used: a quantized cache's newest tokens, kept in full precision per sequence
+    precision: str = ""  # what keys and values are stored as: float32, bfloat16, float16, int8, int4
 
 BLOCK_FREE, BLOCK_OWN, BLOCK_OTHER, BLOCK_CACHED = 0, 1, 2, 3
 
@@ -53,8 +56,10 @@ class StepView(ABC):
         self.kv_len = [p + n for p, n in zip(past, n_new)]
 
     @abstractmethod
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [B, Hq, T, D]; k, v: [B, Hkv, T, D] for the new tokens -> the attended values [B, T, Hq * D]."""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               spec: LayerAttention | None = None) -> torch.Tensor:
+        """q: [B, Hq, T, D]; k, v: [B, Hkv, T, D] for the new tokens -> the attended values [B, T, Hq * D].
+        spec: the layer's own scale / sliding window / soft-cap (None: plain causal attention)."""
 
 
 class KVCache(ABC):

@@ -37,10 +37,10 @@ class ContiguousView(StepView):
         self.buffers = [cache.reservations[s] for s in seq_ids]
         self.keys = KeyMap.one_store_each([buf.capacity for buf in self.buffers], past, n_new, cache.device)
 
-    def attend(self, layer, q, k, v):
+    def attend(self, layer, q, k, v, spec=None):
         keys, values = [buf.k_layers[layer] for buf in self.buffers], [buf.v_layers[layer] for buf in self.buffers]
         write(keys, values, k, v, self.keys)
-        return attend(q, keys, values, self.keys)
+        return attend(q, keys, values, self.keys, spec)
 
 
 class ContiguousCache(KVCache):

@@ -59,11 +59,11 @@ class PagedView(StepView):
         block_store, block_start = cache.block_map()
         self.keys = KeyMap.build(tables, block_store, block_start, cache.block_size, past, n_new, cache.device)
 
-    def attend(self, layer, q, k, v):
+    def attend(self, layer, q, k, v, spec=None):
         c = self.cache
         keys, values = c.layer_stores(0, layer), c.layer_stores(1, layer)  # [Hkv, chunk slots, D] per chunk
         write(keys, values, k, v, self.keys)
-        return attend(q, keys, values, self.keys)
+        return attend(q, keys, values, self.keys, spec)
 
 
 @dataclass

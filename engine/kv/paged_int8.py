@@ -22,14 +22,14 @@ def pick(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
 class Int8View(PagedView):
     _dequantized_keys: KeyMap | None = None  # the pure PyTorch path's map: one store per sequence
 
-    def attend(self, layer, q, k, v):
+    def attend(self, layer, q, k, v, spec=None):
         c = self.cache
         ops = kernels.for_activations(q)
-        if ops is None:
+        if ops is None or not (spec is None or spec.is_plain):
             for i, seq_id in enumerate(self.seq_ids):
                 c.store(layer, self.tables[i], c.windows[seq_id], self.past[i], k[i, :, : self.n_new[i]],
                         v[i, :, : self.n_new[i]])
-            return self._attend_dequantized(layer, q)
+            return self._attend_dequantized(layer, q, spec)
         stores = [c.layer_stores(i, layer) for i in range(4)]  # int8 keys, values, key scales, value scales
         windows = [c.windows[s][:, layer] for s in self.seq_ids]  # [2, Hkv, block_size, D] each
         k_windows, v_windows = [w[0] for w in windows], [w[1] for w in windows]
@@ -39,7 +39,7 @@ class Int8View(PagedView):
         return ops.attention_int8(q.contiguous(), *stores, k_windows, v_windows, keys.table, keys.block_store,
                                   keys.block_start, c.block_size, keys.q_pos)
 
-    def _attend_dequantized(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+    def _attend_dequantized(self, layer: int, q: torch.Tensor, spec=None) -> torch.Tensor:
         """The pure PyTorch path: each sequence's keys and values dequantized in position order, then the one
         attention routine over them (one store per sequence)."""
         c = self.cache
@@ -47,7 +47,7 @@ class Int8View(PagedView):
                 for s, table, n in zip(self.seq_ids, self.tables, self.kv_len)]
         if self._dequantized_keys is None:
             self._dequantized_keys = KeyMap.one_store_each(self.kv_len, self.past, self.n_new, c.device)
-        return attend(q, [k for k, _ in held], [v for _, v in held], self._dequantized_keys)
+        return attend(q, [k for k, _ in held], [v for _, v in held], self._dequantized_keys, spec)
 
 
 class PagedInt8Cache(PagedCache):

@@ -20,6 +20,33 @@ from engine.machine import cpu_model
 from engine.weights.convert import _read_choices, _write_choices
 
 AUTO_KEY = "kv precision"
+PRECISIONS = ("float32", "bfloat16", "float16", "int8", "int4")  # what a cache can store keys and values as
+QUANTIZED = ("int8", "int4")
+CONTIGUOUS_GROUP = 32  # tokens per quantization group of a contiguous cache (a paged pool's group is its block)
+FLOAT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+SCALE_BYTES = 2  # quantization scales and minimums are float16
+
+
+def bytes_per_element(precision: str, group_tokens: int, head_dim: int) -> float:
+    """Average bytes per stored element of K and V, scales included.
+
+    int8: symmetric codes; keys one scale per channel per group of tokens, values one scale per token and head.
+    int4: asymmetric codes (two per byte); keys a scale and a minimum per channel per group (KIVI's per-channel
+    keys), values a scale and a minimum per token and head."""
+    if precision in FLOAT_BYTES:
+        return float(FLOAT_BYTES[precision])
+    if precision not in QUANTIZED:
+        raise ValueError(f"unknown KV precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    code, params = (1.0, 1) if precision == "int8" else (0.5, 2)
+    keys = code + params * SCALE_BYTES / group_tokens
+    values = code + params * SCALE_BYTES / head_dim
+    return (keys + values) / 2
+
+
+def bytes_per_token(model_config, precision: str, block_size: int = CONTIGUOUS_GROUP) -> float:
+    """The article's formula, 2 x bytes/element x layers x KV heads x head_dim, with the precision's bytes per
+    element including its scales (block_size: the quantization group of keys, a paged pool's block)."""
+    return model_config.kv_bytes_per_token(bytes_per_element(precision, block_size, model_config.head_dim))
 
 
 def resolve(kv_dtype: str | None, device: torch.device, activations: torch.dtype,

@@ -11,9 +11,9 @@ class RecomputeView(StepView):
         super().__init__(seq_ids, past, n_new, device)
         self.keys = KeyMap.one_store_each([max(n_new)] * len(seq_ids), past, n_new, device)
 
-    def attend(self, layer, q, k, v):
+    def attend(self, layer, q, k, v, spec=None):
         # q: [B, Hq, T, D]; k, v: [B, Hkv, T, D] hold the whole sequence: each sequence's own store
-        return attend(q, list(k.unbind(0)), list(v.unbind(0)), self.keys)
+        return attend(q, list(k.unbind(0)), list(v.unbind(0)), self.keys, spec)
 
 
 class RecomputeCache(KVCache):
