@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gui = sub.add_parser("gui", help="the desktop chat app (default)")
     add_model_options(gui, default_cache=None)
+    add_kv_dtype_option(gui)
     gui.add_argument("--demo", nargs="+", metavar="PROMPT", help="send these prompts, one turn each, then exit")
     gui.add_argument("--screenshot", metavar="FILE.png", help="with --demo: save a screenshot of the window")
 

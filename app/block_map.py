@@ -133,6 +133,13 @@ class BlockMap(QWidget):
         self.legend = QWidget(self)
         self.legend.setLayout(self._legend())
         layout.addWidget(self.legend)
+        self.precision = ""  # what the blocks store keys and values in (set_precision)
+
+    def set_precision(self, name: str) -> None:
+        """Name the blocks' KV precision in the summary and the legend ('' when unknown or no cache is kept)."""
+        self.precision = name
+        self.legend_title.setText(f"Each cell: one block of {name} keys and values" if name else "")
+        self.legend_title.setVisible(bool(name))
 
     def set_stats(self, kv) -> None:
         budget = getattr(kv, "num_blocks_budget", 0)  # a growing pool: drawn even before its first block
@@ -144,9 +151,10 @@ class BlockMap(QWidget):
             self.legend.hide()
             return
         of_budget = f" of {budget:,} (the budget, outlined)" if budget > kv.num_blocks else ""
+        stored = f" ({self.precision})" if self.precision else ""
         self.summary.setText(
-            f"{kv.strategy}: {kv.num_blocks:,} blocks{of_budget} × {kv.block_size} tokens · {kv.num_blocks_used:,} "
-            f"used · {kv.num_blocks_cached:,} cached · {kv.num_blocks_free:,} free"
+            f"{kv.strategy}{stored}: {kv.num_blocks:,} blocks{of_budget} × {kv.block_size} tokens · "
+            f"{kv.num_blocks_used:,} used · {kv.num_blocks_cached:,} cached · {kv.num_blocks_free:,} free"
         )
         self.grid.set_states(kv.block_states, budget)
         self.stack.setCurrentWidget(self.grid)
@@ -161,8 +169,11 @@ class BlockMap(QWidget):
         grid.setContentsMargins(0, 0, 0, 0)
         grid.setHorizontalSpacing(12)
         grid.setVerticalSpacing(2)
+        self.legend_title = QLabel("", self, objectName="muted")
+        self.legend_title.hide()
+        grid.addWidget(self.legend_title, 0, 0, 1, 2)
         for i, (color, label) in enumerate(zip(BLOCK_COLORS, BLOCK_LABELS)):
             swatch = QLabel(f'<span style="color:{color}; font-size:13pt;">■</span> {label}', self)
-            grid.addWidget(swatch, i // 2, i % 2)
+            grid.addWidget(swatch, 1 + i // 2, i % 2)
         grid.setColumnStretch(2, 1)
         return grid

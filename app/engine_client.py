@@ -56,6 +56,7 @@ class EngineClient(QObject, ChatRequests):
     _set_prefix_reuse = Signal(bool)
     _set_weights = Signal(str)
     _set_kv_budget = Signal(object)
+    _set_kv_dtype = Signal(object)
     _new_conversation = Signal(object)
     _open_conversation = Signal(object)
     _set_system_prompt = Signal(object)
@@ -77,6 +78,7 @@ class EngineClient(QObject, ChatRequests):
         pairs = ((self._load, w.load), (self._use_engine, w.use_engine), (self._generate, w.generate),
                  (self._regenerate, w.regenerate), (self._edit, w.edit_and_resend), (self._set_cache, w.set_cache),
                  (self._set_prefix_reuse, w.set_prefix_reuse), (self._set_kv_budget, w.set_kv_budget),
+                 (self._set_kv_dtype, w.set_kv_dtype),
                  (self._set_weights, w.set_weights),
                  (self._new_conversation, w.new_conversation), (self._open_conversation, w.open_conversation),
                  (self._set_system_prompt, w.set_system_prompt))
@@ -106,6 +108,10 @@ class EngineClient(QObject, ChatRequests):
     def set_kv_budget(self, mib: float | None) -> None:
         """The most the paged pool grows to (None: one context); applied between turns, as a new cache."""
         self._set_kv_budget.emit(mib)
+
+    def set_kv_dtype(self, name: str | None) -> None:
+        """The KV precision (engine.config.KV_DTYPES); applied between turns, as a new cache."""
+        self._set_kv_dtype.emit(name)
 
     def shutdown(self) -> None:
         """Cancel, let the worker's current step finish, stop the thread and wait for it."""

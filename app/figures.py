@@ -14,9 +14,12 @@ def figure_rows(info: ModelInfo | None, kv, last_done=None) -> list[tuple[str, s
     """kv: the latest KVStats (or None); last_done: the last turn's DoneEvent (or None)."""
     if info is None:
         return [("Model", "loading…", "")]
-    rows = [_bytes_per_token(info), _weights_vs_kv(info), _gqa(info), _int8(info)]
+    rows = [_bytes_per_token(info), _weights_vs_kv(info), _gqa(info)]
+    rows.append(_precisions(info, kv) if info.precision_bytes else _int8(info))
     if kv is not None:
         rows += [_utilisation(kv), _memory_now(kv)]
+        if getattr(kv, "bytes_window", 0):
+            rows.append(_window(kv))
     rows.append(_prefix_hits(last_done))
     if getattr(last_done, "n_drafted", 0):
         rows.append(_speculation(last_done))
@@ -27,7 +30,8 @@ def figures_html(rows: list[tuple[str, str, str]]) -> str:
     """Each figure as a muted title, a bold value and a small detail line: readable in a narrow column."""
     return "".join(
         f'<p style="margin:0 0 8px 0;"><span style="color:{TEXT_MUTED}; font-size:small;">{escape(title)}</span>'
-        f'<br><b>{escape(value)}</b><br><span style="color:{TEXT_MUTED}; font-size:small;">{escape(detail)}</span></p>'
+        f'<br><b>{escape(value)}</b><br><span style="color:{TEXT_MUTED}; font-size:small;">'
+        f'{escape(detail).replace(chr(10), "<br>")}</span></p>'
         for title, value, detail in rows
     )
 
@@ -41,7 +45,29 @@ def _bytes_per_token(info: ModelInfo) -> tuple[str, str, str]:
     if not kv.holds_kv:
         return ("KV bytes per token", "nothing held (none)",
                 f"none keeps no keys or values; a cache would need {kv.formula} ({human_bytes(kv.bytes_per_token)})")
-    return ("KV bytes per token", f"{human_bytes(kv.bytes_per_token)} / token ({kv.strategy})", kv.formula)
+    stored = f", {info.kv_dtype_text}" if info.kv_dtype_text else ""
+    return ("KV bytes per token", f"{human_bytes(kv.bytes_per_token)} / token ({kv.strategy}{stored})", kv.formula)
+
+
+def _precisions(info: ModelInfo, kv) -> tuple[str, str, str]:
+    """What each KV precision would hold for this conversation, and where each would outgrow the weights."""
+    tokens = kv.tokens if kv is not None else 0
+    lines = []
+    for name, per_token in info.precision_bytes:
+        at = int(info.weights_bytes // per_token) + 1 if info.weights_bytes and per_token else None
+        mark = "▸ " if name == info.kv_dtype else ""
+        beyond = "—" if at is None else f"{at:,}" + ("" if at <= info.max_context else " (beyond the context)")
+        lines.append(f"{mark}{name}: {human_bytes(per_token * tokens)} now · {human_bytes(per_token)}/token · "
+                     f"outgrows the weights at {beyond}")
+    active = f"active: {info.kv_dtype_text}" if info.kv_dtype_text else "active: none (no cache kept)"
+    return (f"Each KV precision for this conversation ({tokens:,} tokens)", active, "\n".join(lines))
+
+
+def _window(kv) -> tuple[str, str, str]:
+    """A quantized cache keeps its newest tokens in full precision until their block fills: its own line, so the
+    figures add up to the allocated bytes the status bar shows."""
+    return ("Full-precision window", human_bytes(kv.bytes_window),
+            "the newest tokens of each sequence, kept unquantized until their block fills (counted in allocated)")
 
 
 def _weights_vs_kv(info: ModelInfo) -> tuple[str, str, str]:

@@ -41,12 +41,14 @@ MIN_SIZE = (740, 480)  # the chat's and the side panel's minimum widths side by 
 class MainWindow(QMainWindow):
     def __init__(self, settings: AppSettings | None = None, engine=None, model: str | None = None,
                  cache: str | None = None, block_size: int | None = None, prefix_reuse: bool | None = None,
-                 kv_budget: float | None = None, weights: str | None = None):
+                 kv_budget: float | None = None, weights: str | None = None, kv_dtype: str | None = None):
         super().__init__()
         self.settings = settings or AppSettings()
         self.prefix_reuse = self.settings.prefix_reuse if prefix_reuse is None else prefix_reuse
         self.kv_budget = self.settings.kv_budget_mib if kv_budget is None else kv_budget  # MiB; None: one context
         self.weights = weights or self.settings.weights  # the weight format (Settings → Weights)
+        # the KV precision (Settings → KV precision); an engine handed over ready-made keeps its own unless asked
+        self.kv_dtype = kv_dtype or (self.settings.kv_dtype if engine is None else None)
         self.info = None
         self.generating = False
         self.loading = False
@@ -114,6 +116,8 @@ class MainWindow(QMainWindow):
         m.block_size_group.triggered.connect(lambda _action: self.set_cache(*m.chosen_cache()))
         m.weight_formats[self.weights].setChecked(True)
         m.weights_group.triggered.connect(lambda action: self.set_weights(action.data()))
+        m.check_kv_dtype(self.kv_dtype)
+        m.kv_dtype_group.triggered.connect(lambda action: self.set_kv_dtype(action.data()))
         m.prefix_reuse.setChecked(self.prefix_reuse)
         m.prefix_reuse.triggered.connect(self.set_prefix_reuse)
         m.sampling.triggered.connect(a.edit_sampling)
@@ -139,6 +143,7 @@ class MainWindow(QMainWindow):
         s.conversation.connect(self._on_conversation)
         self.client.set_prefix_reuse(self.prefix_reuse)  # before the model loads: its cache starts that way
         self.client.set_kv_budget(self.kv_budget)
+        self.client.set_kv_dtype(self.kv_dtype)  # before the model loads: its cache starts in this precision
         self.client.set_weights(self.weights)  # before the model loads: it loads in this format
 
     # --- chat actions ---------------------------------------------------------------------------------------------
@@ -215,6 +220,14 @@ class MainWindow(QMainWindow):
         what = f"{mib:g} MiB" if mib else "one context's worth"
         self.status.showMessage(f"KV budget: {what} (a new pool; the next turn prefills the history)", 5000)
 
+    def set_kv_dtype(self, name: str) -> None:
+        """Store keys and values in `name` (engine.config.KV_DTYPES) from the next turn: a new cache, into which
+        the conversation re-prefills."""
+        self.kv_dtype = self.settings.kv_dtype = name
+        self.client.set_kv_dtype(name)
+        when = "from the next turn" if self.generating else "now"
+        self.status.showMessage(f"KV precision: {name} (a new cache; applies {when})", 5000)
+
     def set_weights(self, fmt: str) -> None:
         """Reload the model with its weights in `fmt`; the conversation stays and re-prefills on the next turn."""
         self.weights = self.settings.weights = fmt
@@ -256,6 +269,8 @@ class MainWindow(QMainWindow):
         self.status.set_model(info)
         self.metrics.set_model_info(info)
         self.menus.check(info.cache_strategy, info.block_size)
+        self.menus.check_kv_dtype(info.kv_dtype_setting or info.kv_dtype)
+        self.block_map.set_precision(info.kv_dtype)
         self.menus.set_busy(self.generating)
         self.chat.set_input_enabled(True)
 
@@ -268,7 +283,7 @@ class MainWindow(QMainWindow):
         if self.chat.messages and self.chat.messages[-1].role == "assistant":
             message = self.chat.messages[-1]
             message.set_text(done.text)
-            message.set_footer(_footer(done))
+            message.set_footer(_footer(done, self.configuration_footer()))
             message.reply = reply_record(done)  # what File → Save keeps of it
         self._refresh_live()
         self.status.set_done(done)
@@ -317,6 +332,18 @@ class MainWindow(QMainWindow):
     def reply_footer(done) -> str:
         return _footer(done)
 
+    def configuration_footer(self) -> list[str]:
+        """What the reply was computed with: the weights and the KV precision, each as asked → as chosen."""
+        info = self.info
+        if info is None or getattr(info, "remote", False):
+            return []
+        asked = self.weights
+        weights = f"{asked} → {info.weight_format}" if asked and asked != info.weight_format else info.weight_format
+        parts = [f"weights {weights}"]
+        if info.kv_dtype_text:
+            parts.append(f"KV {info.kv_dtype_text}")
+        return parts
+
     # --- closing --------------------------------------------------------------------------------------------------
     def closeEvent(self, event) -> None:  # noqa: N802 (Qt override)
         self.settings.save_window_state(self.saveGeometry(), self.splitter.saveState())
@@ -327,13 +354,14 @@ class MainWindow(QMainWindow):
         super().closeEvent(event)
 
 
-def _footer(done) -> str:
+def _footer(done, configuration: list[str] | None = None) -> str:
     parts = [f"{done.n_generated_tokens} tokens", f"{done.decode_tok_s:.1f} tok/s",
              f"first token {done.ttft_ms:,.0f} ms", f"prefix reused {done.prefix_hit_tokens}/{done.n_prompt_tokens}",
              done.strategy]
     if done.strategy == "server" and not done.prefix_hit_tokens:  # a server that does not say what it reused
         parts.remove(f"prefix reused 0/{done.n_prompt_tokens}")
     parts[2:2] = speculation_footer(done)
+    parts += configuration or []
     if done.finish_reason != "stop":
         parts.append({"cancelled": "stopped", "length": "length limit"}.get(done.finish_reason, done.finish_reason))
     return " · ".join(parts)
@@ -348,7 +376,8 @@ def run_gui(args) -> int:
     window = MainWindow(model=getattr(args, "model", None), cache=getattr(args, "cache", None),
                         block_size=getattr(args, "block_size", None),
                         prefix_reuse={"on": True, "off": False}.get(getattr(args, "prefix_reuse", None)),
-                        kv_budget=getattr(args, "kv_budget", None), weights=getattr(args, "weights", None))
+                        kv_budget=getattr(args, "kv_budget", None), weights=getattr(args, "weights", None),
+                        kv_dtype=getattr(args, "kv_dtype", None))
     window.show()
     prompts = getattr(args, "demo", None)
     if prompts:

@@ -7,7 +7,7 @@ from PySide6.QtWidgets import QMainWindow, QMenu
 
 from app.dialogs import DraftTokensDialog, KVBudgetDialog
 from app.settings import MENU_BLOCK_SIZES
-from engine.config import CACHE_STRATEGIES, WEIGHT_FORMATS
+from engine.config import CACHE_STRATEGIES, KV_DTYPES, WEIGHT_FORMATS
 
 WEIGHT_HINTS = {
     "auto": "the fastest format measured on this machine that meets the quality bounds",
@@ -23,6 +23,21 @@ STRATEGY_HINTS = {
     "paged": "fixed-size blocks from a shared pool, with prefix caching",
     "paged-int8": "paged, keys and values stored as int8 with scales",
 }
+
+KV_DTYPE_HINTS = {
+    "auto": "the fastest precision measured on this machine that meets the quality bound",
+    "float32": "4 bytes per element: the reference",
+    "bfloat16": "2 bytes per element, float32's range",
+    "float16": "2 bytes per element, llama.cpp's default cache",
+    "int8": "1 byte per element plus float16 scales",
+    "int4": "half a byte per element: keys per channel, values per token, float16 scales, a full-precision window",
+}
+KV_DTYPE_TIP = " (a new cache: the next turn prefills the history; 'none' keeps no cache)"
+
+
+def kv_dtype_hint(name: str) -> str:
+    return KV_DTYPE_HINTS.get(name, f"keys and values stored as {name}") + KV_DTYPE_TIP
+
 
 SPECULATIVE_TIP = ("draft tokens by matching the conversation's last words earlier in it, verify them in one "
                    "forward and roll back the rejected: the same reply, faster when it quotes the context")
@@ -90,6 +105,7 @@ class Menus:
             action.setData(name)
             self.weights_group.addAction(action)
             self.weight_formats[name] = action
+        self.kv_dtype_menu = self._kv_dtypes(menu.addMenu("KV p&recision"))
         self.prefix_reuse = self._action(menu, "&Keep the cache between turns", checkable=True, tip=PREFIX_REUSE_TIP)
         self.kv_budget = self._action(menu, "KV b&udget…", tip="the most the paged pool grows to, in MiB")
         self.kv_budget.triggered.connect(self._ask_kv_budget)
@@ -102,9 +118,26 @@ class Menus:
         self.model_gguf = self._action(model_menu, "GGUF file…")
         self.model_folder = self._action(model_menu, "Hugging Face model folder…")
         self.model_default = self._action(model_menu, "Default model (SmolLM2-135M-Instruct)")
-        self.local_only = (strategy_menu, block_menu, weights_menu, model_menu)  # disabled in remote mode (set_remote)
+        # disabled in remote mode (set_remote)
+        self.local_only = (strategy_menu, block_menu, weights_menu, self.kv_dtype_menu, model_menu)
         menu.setToolTipsVisible(True)
         self.backend = self._action(menu, "Bac&kend…", tip="the local engine, or an OpenAI-compatible server")
+
+    def _kv_dtypes(self, menu: QMenu) -> QMenu:
+        """One checkable action per KV precision the engine offers (engine.config.KV_DTYPES)."""
+        menu.setToolTipsVisible(True)
+        self.kv_dtype_group = QActionGroup(self.window, exclusive=True)
+        self.kv_dtypes: dict[str, QAction] = {}
+        for name in KV_DTYPES:
+            action = self._action(menu, name, checkable=True, tip=kv_dtype_hint(name))
+            action.setData(name)
+            self.kv_dtype_group.addAction(action)
+            self.kv_dtypes[name] = action
+        return menu
+
+    def check_kv_dtype(self, name: str | None) -> None:
+        if name in self.kv_dtypes:
+            self.kv_dtypes[name].setChecked(True)
 
     def _speculative(self, menu: QMenu) -> None:
         """Off / prompt lookup and the most draft tokens per step; saved in the settings, used from the next turn."""

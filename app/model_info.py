@@ -30,6 +30,9 @@ class ModelInfo:
     weight_format: str = "float32"  # how the projections are stored (int4, int8, bfloat16, float32)
     weights_bytes: int = 0  # the weights as they sit in memory
     weights_file_bytes: int = 0  # the file(s) they were read from (0: not read from a file)
+    kv_dtype: str = ""  # the precision the active cache stores K/V in (float32 ... int4; "" for 'none')
+    kv_dtype_setting: str = ""  # what Settings → KV precision asked for ("auto" or a precision; "": not set)
+    precision_bytes: tuple[tuple[str, float], ...] = ()  # (precision, KV bytes per token, scales included)
 
     @classmethod
     def from_engine(cls, engine) -> ModelInfo:
@@ -41,13 +44,23 @@ class ModelInfo:
             block_size=engine.block_size, kv_bytes_per_element=strategy_bytes_per_element(engine),
             prefix_reuse=engine.config.prefix_reuse, weight_format=engine.weight_format,
             weights_bytes=engine.weights_resident_bytes, weights_file_bytes=engine.weights_file_bytes,
+            kv_dtype=active_precision(engine), kv_dtype_setting=engine.config.kv_dtype or "",
+            precision_bytes=precision_bytes_per_token(engine),
         )
 
     @property
+    def kv_dtype_text(self) -> str:
+        """'auto → bfloat16', 'int8', or '' when no cache is kept."""
+        if not self.kv_dtype:
+            return ""
+        asked = self.kv_dtype_setting
+        return f"{asked} → {self.kv_dtype}" if asked and asked != self.kv_dtype else self.kv_dtype
+
+    @property
     def weights_text(self) -> str:
-        """'int4 weights, 110 MB' (and the file's size when it came from one)."""
-        text = f"{self.weight_format} weights, {self.weights_bytes / 1e6:,.0f} MB"
-        return text + (f" (file {self.weights_file_bytes / 1e6:,.0f} MB)" if self.weights_file_bytes else "")
+        """'int4 weights, 105 MiB' (and the file's size when it came from one): MiB, as everywhere in the app."""
+        text = f"{self.weight_format} weights, {self.weights_bytes / 2**20:,.0f} MiB"
+        return text + (f" (file {self.weights_file_bytes / 2**20:,.0f} MiB)" if self.weights_file_bytes else "")
 
     @property
     def dtype_bytes(self) -> int:
@@ -78,6 +91,34 @@ def strategy_bytes_per_element(engine) -> float:
         return float(cache.bytes_per_element)
     elements = cache.block_size * 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim
     return cache.bytes_per_block() / elements
+
+
+def active_precision(engine) -> str:
+    """The precision the engine's cache stores keys and values in ('' for 'none', which stores none)."""
+    strategy = engine.cache_strategy
+    if strategy == "none":
+        return ""
+    if strategy == "paged-int8":
+        return "int8"
+    return getattr(engine, "kv_dtype_name", engine.dtype_name)
+
+
+def precision_bytes_per_token(engine) -> tuple[tuple[str, float], ...]:
+    """KV bytes per token under every concrete precision, scales included (engine.kv.precision's formula; the
+    float formats by their element size where the engine offers no such formula)."""
+    from engine.config import KV_DTYPES
+    from engine.kv import precision
+
+    mc, block_size = engine.model_config, engine.block_size
+    formula = getattr(precision, "bytes_per_token", None)
+    names = getattr(precision, "PRECISIONS", None) or tuple(n for n in KV_DTYPES if n != "auto")
+    rows = []
+    for name in names:
+        if formula is not None:
+            rows.append((name, float(formula(mc, name, block_size))))
+        elif name in DTYPE_BYTES:
+            rows.append((name, float(mc.kv_bytes_per_token(DTYPE_BYTES[name]))))
+    return tuple(rows)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,14 @@ from __future__ import annotations
 from PySide6.QtCore import QByteArray, QSettings
 
 from app.style import default_system_prompt
-from engine.config import BLOCK_SIZES, CACHE_STRATEGIES, WEIGHT_FORMATS, SamplingParams, SpeculativeConfig
+from engine.config import (
+    BLOCK_SIZES,
+    CACHE_STRATEGIES,
+    KV_DTYPES,
+    WEIGHT_FORMATS,
+    SamplingParams,
+    SpeculativeConfig,
+)
 
 ORGANIZATION = "kvscope"
 APPLICATION = "kvscope"
@@ -56,6 +63,16 @@ class AppSettings:
     @weights.setter
     def weights(self, value: str) -> None:
         self.q.setValue("engine/weights", value)
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV precision (Settings → KV precision; auto: the fastest measured here within the quality bound)."""
+        value = self._get("engine/kv_dtype", "auto", str)
+        return value if value in KV_DTYPES else "auto"
+
+    @kv_dtype.setter
+    def kv_dtype(self, value: str) -> None:
+        self.q.setValue("engine/kv_dtype", value if value in KV_DTYPES else "auto")
 
     @property
     def prefix_reuse(self) -> bool:

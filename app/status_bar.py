@@ -63,8 +63,9 @@ class StatusBar(QStatusBar):
         self.max_context = info.max_context
         color = strategy_color(info.cache_strategy)
         block = f" · {info.block_size}" if info.cache_strategy.startswith("paged") else ""
+        precision = f" · {info.kv_dtype_text}" if getattr(info, "kv_dtype_text", "") else ""
         self._set(model=info.model_name, device=f"{info.device} · {info.weights_text}",
-                  strategy=f'<span style="color:{color};">■</span> {info.cache_strategy}{block}')
+                  strategy=f'<span style="color:{color};">■</span> {info.cache_strategy}{block}{precision}')
 
     def start_reply(self) -> None:
         """A reply begins: the last reply's figures give way to this one's, filled in as its steps arrive."""

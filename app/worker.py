@@ -39,6 +39,7 @@ class EngineWorker(QObject):
         self._weights = "auto"  # the weight format (Settings)
         self._model: str | None = None  # what load() last loaded (None: the default model)
         self._kv_budget: float | None = None  # MiB the paged pool may grow to (Settings; None: one context)
+        self._kv_dtype: str | None = None  # the KV precision (Settings; None: the engine's own)
         self._cancel_upto = 0  # generation requests with an id <= this are cancelled
         self._closing = False
 
@@ -66,7 +67,8 @@ class EngineWorker(QObject):
 
         try:
             config = EngineConfig(cache=self._cache, block_size=self._block_size, prefix_reuse=self._prefix_reuse,
-                                  kv_budget_mib=self._kv_budget, weights=self._weights)
+                                  kv_budget_mib=self._kv_budget, weights=self._weights,
+                                  kv_dtype=self._kv_dtype)
             engine = Engine.load(model, config, progress=self._progress)
         except Exception as e:  # noqa: BLE001 - every failure is reported; the old model stays loaded
             self.signals.error.emit(f"Could not load the model {model or '(default)'}: {e}")
@@ -103,6 +105,8 @@ class EngineWorker(QObject):
                 engine.set_kv_budget(self._kv_budget)
             except ValueError as e:  # too small for one block: the engine keeps its own budget
                 self.signals.error.emit(f"Could not set the KV budget to {self._kv_budget} MiB: {e}")
+        if self._kv_dtype is not None and engine.config.kv_dtype != self._kv_dtype:
+            self._apply_kv_dtype(self._kv_dtype)
         self.signals.loaded.emit(ModelInfo.from_engine(engine))
         self._emit_state()
 
@@ -159,6 +163,24 @@ class EngineWorker(QObject):
             return
         self.signals.loaded.emit(ModelInfo.from_engine(self.engine))
         self._emit_state()
+
+    @Slot(object)
+    def set_kv_dtype(self, name: str | None) -> None:
+        """A new cache in this KV precision (None: the engine's own); the next turn prefills the history."""
+        self._kv_dtype = name
+        if self.engine is None or self._closing or name is None or self.engine.config.kv_dtype == name:
+            return
+        if self._apply_kv_dtype(name):
+            self.signals.loaded.emit(ModelInfo.from_engine(self.engine))
+            self._emit_state()
+
+    def _apply_kv_dtype(self, name: str) -> bool:
+        try:
+            self.engine.set_kv_dtype(name)
+        except Exception as e:  # noqa: BLE001 - reported; the engine keeps its cache
+            self.signals.error.emit(f"Could not store the KV cache as {name}: {e}")
+            return False
+        return True
 
     @Slot(object)
     def new_conversation(self, system_prompt: str | None) -> None:

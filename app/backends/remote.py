@@ -86,6 +86,9 @@ class RemoteClient(QObject, ChatRequests):
     def set_weights(self, _fmt: str) -> None:
         """The server holds its own weights (its --weights): nothing to send."""
 
+    def set_kv_dtype(self, _name: str | None) -> None:
+        """The server keeps its own KV precision (its --kv-dtype): nothing to send."""
+
     def shutdown(self) -> None:
         """Stop the reply in progress, stop polling, and wait for both threads."""
         if not self.thread.isRunning():
