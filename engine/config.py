@@ -4,10 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.architectures import (
+    BY_HF_ARCHITECTURE,
+    FAMILIES,
+    ArchitectureError,
+    Family,
+    activation_of,
+    attention_fields,
+)
+
 CACHE_STRATEGIES = ("none", "contiguous", "paged", "paged-int8")
 WEIGHT_FORMATS = ("auto", "float32", "bfloat16", "int8", "int4")
 BLOCK_SIZES = (1, 8, 16, 32, 64)
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = tuple(BY_HF_ARCHITECTURE)  # engine/architectures.py: one row per family
 
 
 class ConfigError(ValueError):
@@ -31,25 +40,54 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "LlamaForCausalLM"
+    # per-model attention switches (engine/architectures.py reads them from the checkpoint)
+    activation: str = "silu"  # silu (SwiGLU) or gelu_tanh (GeGLU)
+    sliding_window: int = 0  # the sliding layers' window in tokens (0: no layer slides)
+    sliding_layers: tuple[bool, ...] = ()  # per layer: does it slide (empty: none does)
+    attn_logit_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) (0: off)
+    final_logit_softcap: float = 0.0  # logits -> cap * tanh(logits / cap) (0: off)
+    query_scale: float | None = None  # the attention scores' factor (None: head_dim ** -0.5)
+    rope_local_theta: float | None = None  # the sliding layers' own rotary base (Gemma 3)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.architecture not in BY_HF_ARCHITECTURE:
+            raise ConfigError(f"unsupported architecture {self.architecture!r}; supported: "
+                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        if self.sliding_layers and len(self.sliding_layers) != self.num_layers:
+            raise ConfigError(f"{len(self.sliding_layers)} sliding-layer flags for {self.num_layers} layers")
+
+    @property
+    def family(self) -> Family:
+        """The switches fixed for the whole family (engine/architectures.py)."""
+        return BY_HF_ARCHITECTURE[self.architecture]
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.sliding_layers) and self.sliding_layers[layer]
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> ModelConfig:
-        """Build from a Hugging Face config.json dictionary (Llama family)."""
+        """Build from a Hugging Face config.json dictionary (any family in engine/architectures.py)."""
         architectures = d.get("architectures") or [_architecture_from_model_type(d.get("model_type"))]
         arch = architectures[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(
                 f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        family = BY_HF_ARCHITECTURE[arch]
         num_heads = d["num_attention_heads"]
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope = _full_attention_rope(d)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        if d.get("attention_bias") and not family.attention_bias:
+            raise ConfigError(f"{arch} with attention_bias (biases on every projection) is not supported")
+        try:
+            switches = attention_fields(d, family, d["num_hidden_layers"])
+            activation = activation_of(d, family)
+        except ArchitectureError as e:
+            raise ConfigError(str(e)) from None
         return cls(
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
@@ -66,6 +104,8 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             architecture=arch,
+            activation=activation,
+            **switches,
         )
 
     def kv_bytes_per_token(self, bytes_per_element: float) -> float:
@@ -81,11 +121,20 @@ class ModelConfig:
         return self.vocab_size * h + self.num_layers * per_layer + h + head
 
 
+def _full_attention_rope(d: dict) -> dict:
+    """The rotary parameters of the full-attention layers (Gemma 3 keeps one set per layer type)."""
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if isinstance(rope.get("full_attention"), dict):
+        rope = rope["full_attention"]
+    return rope
+
+
 def _architecture_from_model_type(model_type: str | None) -> str:
-    return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}.get(model_type or "", str(model_type))
+    family = FAMILIES.get(model_type or "")
+    return family.hf_architecture if family else str(model_type)
 
 
-KV_DTYPES = ("auto", "float32", "bfloat16", "float16")  # what contiguous and paged caches store K and V in
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "int4")  # what contiguous and paged store K, V in
 
 
 @dataclass

@@ -12,15 +12,16 @@ from collections.abc import Iterator
 import torch
 
 from engine import loader
-from engine.chat import Conversation, fit_to_context
+from engine.chat import Conversation, PromptTooLong, fit_to_context
 from engine.config import EngineConfig, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 from engine.events import DoneEvent, Event, StepEvent, TrimEvent
-from engine.kv import precision
-from engine.kv.base import KVCache, KVStats
+from engine.kv import precision, quant
+from engine.kv.base import BLOCK_OTHER, KVCache, KVCacheFull, KVStats
 from engine.kv.contiguous import ContiguousCache
+from engine.kv.contiguous_quant import ContiguousQuantCache
 from engine.kv.paged import PagedCache
-from engine.kv.paged_int8 import PagedInt8Cache
+from engine.kv.paged_quant import PagedQuantCache
 from engine.kv.recompute import RecomputeCache
 from engine.model import LlamaModel
 from engine.sampler import Sampler
@@ -68,17 +69,19 @@ def make_cache(strategy: str, engine: Engine, block_size: int, pool_tokens: int 
 
 
 def _new_cache(strategy: str, engine: Engine, block_size: int, pool_tokens: int | None) -> KVCache:
-    # contiguous and paged store K/V in the KV precision; paged-int8 its own codes (windows in the activations')
-    dtype = engine.kv_dtype if strategy in ("contiguous", "paged") else engine.dtype
+    """A layout (none, contiguous, paged) over the engine's KV precision; 'paged-int8' names paged + int8."""
+    layout, kv = ("paged", "int8") if strategy == "paged-int8" else (strategy, engine.kv_precision)
+    codec = quant.CODECS.get(kv)
+    dtype = engine.dtype if layout == "none" or codec else getattr(torch, kv)  # quantized: windows in activations
     args = (engine.model_config, dtype, engine.device, engine.max_context)
-    if strategy == "none":
+    if layout == "none":
         return RecomputeCache(*args)
-    if strategy == "contiguous":
-        return ContiguousCache(*args)
-    cls = PagedCache if strategy == "paged" else PagedInt8Cache
+    if layout == "contiguous":
+        return ContiguousQuantCache(*args, codec=codec) if codec else ContiguousCache(*args)
     budget = engine.config.kv_budget_mib
-    return cls(*args, block_size=block_size, pool_tokens=pool_tokens,
-               budget_bytes=None if budget is None else int(budget * 2**20))
+    sizes = {"block_size": block_size, "pool_tokens": pool_tokens,
+             "budget_bytes": None if budget is None else int(budget * 2**20)}
+    return PagedQuantCache(*args, codec=codec, **sizes) if codec else PagedCache(*args, **sizes)
 
 
 class Engine:
@@ -99,7 +102,7 @@ class Engine:
                                model.rotary.cos.shape[0])
         self.stop_token_ids = self._stop_tokens()
         self._cancel = threading.Event()
-        self.kv_dtype = precision.resolve(self.config.kv_dtype, self.device, self.dtype, loader.cache_root())
+        self._resolve_kv_precision(self.config.kv_dtype)
         self.cache = make_cache(self.config.cache, self, self.config.block_size, self.config.pool_tokens)
 
     @classmethod
@@ -175,14 +178,24 @@ class Engine:
     def set_kv_dtype(self, kv_dtype: str | None) -> None:
         """The precision contiguous and paged caches store K/V in (None: the activations'); a new cache, as
         set_cache builds: every conversation re-prefills its history into it on its next turn."""
-        new_config = EngineConfig(**{**self.config.__dict__, "kv_dtype": kv_dtype})
-        self.kv_dtype = precision.resolve(kv_dtype, self.device, self.dtype, loader.cache_root())
+        strategy = self.config.cache
+        if strategy == "paged-int8" and kv_dtype != "int8":  # the preset's precision is replaced
+            strategy = "paged"
+        new_config = EngineConfig(**{**self.config.__dict__, "kv_dtype": kv_dtype, "cache": strategy})
+        self._resolve_kv_precision(kv_dtype)
         self.config = new_config
         self.set_cache(self.config.cache)
 
+    def _resolve_kv_precision(self, kv_dtype: str | None) -> None:
+        """kv_precision: the setting resolved (auto measured); kv_dtype: the float dtype it stores, or for a
+        quantized precision the dtype of its full-precision window (the activations')."""
+        self.kv_precision = precision.resolve(kv_dtype, self.device, self.dtype, loader.cache_root())
+        self.kv_dtype = self.dtype if self.kv_precision in precision.QUANTIZED else getattr(torch, self.kv_precision)
+
     @property
     def kv_dtype_name(self) -> str:
-        return str(self.kv_dtype).removeprefix("torch.")
+        """The precision the cache stores K/V in ('paged-int8' is int8 whatever the setting)."""
+        return self.cache.precision if self.cache.keeps_kv else self.kv_precision
 
     def set_kv_budget(self, mib: float | None) -> None:
         """The most a paged pool may grow to (None: one context's worth); a new cache, as set_cache builds."""
@@ -251,10 +264,9 @@ class Engine:
             raise ValueError("nothing to regenerate: the conversation has no user message to answer")
 
     def _reply(self, conv: Conversation, params: SamplingParams) -> Iterator[Event]:
-        reserve = min(params.max_new_tokens, self.max_context // 4)
-        ids, dropped_messages, dropped_tokens = fit_to_context(self.tokenizer, conv, self.max_context, reserve)
-        if dropped_messages:
-            yield TrimEvent(dropped_messages, dropped_tokens, self.max_context)
+        ids, trim = self._fit_prompt(conv, params)
+        if trim is not None:
+            yield trim
         run = _Run(self, conv.seq_id, ids, params)
         yield from run.prefill()
         yield from run.decode()
@@ -262,6 +274,34 @@ class Engine:
         conv.add("assistant", text, tuple(run.generated))
         yield DoneEvent(text, len(ids), len(run.generated), run.ttft_ms, run.decode_tok_s(),
                         run.finish_reason, self.cache.name, run.prefix_hit, *run.decode_counts())
+
+    def budget_tokens(self, seq_id: int) -> int | None:
+        """The most tokens the sequence could hold under the cache's budget: the budget's blocks less those other
+        sequences hold (None: the cache has no block budget)."""
+        kv = self.cache.stats(seq_id)
+        if not kv.num_blocks_budget:
+            return None
+        others = kv.block_states.count(BLOCK_OTHER)
+        return max(kv.num_blocks_budget - others, 0) * kv.block_size
+
+    def _fit_prompt(self, conv: Conversation, params: SamplingParams) -> tuple[list[int], TrimEvent | None]:
+        """The prompt ids, the oldest turns dropped where the context, or the KV budget, cannot hold the history
+        and room for the reply; the TrimEvent says what left and why (None: nothing did)."""
+        budget = self.budget_tokens(conv.seq_id)
+        by_budget = budget is not None and budget < self.max_context
+        limit = budget if by_budget else self.max_context
+        reserve = min(params.max_new_tokens, limit // 4)
+        try:
+            ids, dropped_messages, dropped_tokens = fit_to_context(self.tokenizer, conv, limit, reserve)
+        except PromptTooLong as e:
+            if not by_budget:
+                raise
+            raise PromptTooLong(f"{e}".split(", but the context")[0] + f", but the KV budget "
+                                f"({self.config.kv_budget_mib:g} MiB) holds {limit} tokens for this conversation and "
+                                f"{reserve} are kept for the reply: raise the KV budget (Settings → KV budget) or "
+                                f"shorten the message") from None
+        trim = TrimEvent(dropped_messages, dropped_tokens, limit, "budget" if by_budget else "context")
+        return ids, trim if dropped_messages else None
 
     # ---- one forward step, timed
     def step(self, seq_ids: list[int], new_tokens: list[list[int]], all_logits: bool = False,
@@ -344,7 +384,13 @@ class _Run:
             elif e._cancel.is_set():
                 self.finish_reason = "cancelled"
             else:
-                yield self._speculative_step(context) or self._plain_step(context)
+                try:
+                    event = self._speculative_step(context) or self._plain_step(context)
+                except KVCacheFull:  # the budget is reached: the reply so far is kept, as a stop keeps it
+                    self.finish_reason = "budget"
+                    self._hold_only_the_reply(context - 1)
+                    return
+                yield event
 
     def _plain_step(self, context: int) -> StepEvent:
         e = self.engine
@@ -377,6 +423,15 @@ class _Run:
         self._count(ms, result.n_forwards, result.n_drafted, used - 1)
         return self._event("decode", context - 1 + used - 1, result.n_fed, ms, 0, result.tokens[used - 1], text,
                            result.n_drafted, used - 1)
+
+    def _hold_only_the_reply(self, keep: int) -> None:
+        """After a step the budget refused: the sequence holds at most the prompt and the reply's fed tokens (a
+        verify that ran part of its forwards may have left drafts); a truncate that needs a block it cannot get
+        leaves them, and the next turn's prepare drops them."""
+        cache = self.engine.cache
+        with contextlib.suppress(KVCacheFull):
+            if cache.tokens_held(self.seq_id) > keep:
+                cache.truncate(self.seq_id, keep)
 
     def _count(self, ms: float, forwards: int, drafted: int = 0, accepted: int = 0) -> None:
         self.decode_ms += ms

@@ -27,7 +27,6 @@ import torch
 
 from engine.config import ConfigError, SpeculativeConfig
 from engine.kv.base import KVCacheFull
-from engine.kv.paged_int8 import PagedInt8Cache
 from engine.sampler import Sampler, apply_repetition_penalty
 
 
@@ -235,14 +234,15 @@ class VerifyResult:
 def verify_segments(cache, past: int, n: int) -> list[int]:
     """Lengths of the forwards that verify n tokens fed at positions past..past+n-1.
 
-    One forward, except under paged-int8: there a block is quantized in the step that fills it, and a query sees
+    One forward, except under a quantized cache: there a block (a contiguous cache's group) is quantized in
+    the step that fills it, and a query sees
     the blocks that are full at its own position quantized and its own block in full precision. A forward that
     starts with the token filling a block and stops before the next block's last slot matches that exactly, so
     the verify forward is cut before every position in a block's last slot. The next piece only runs when the
     draft it starts with was accepted: a block is never quantized from a rejected token."""
-    if not isinstance(cache, PagedInt8Cache):
+    bs = cache.quantization_group
+    if not bs:
         return [n]
-    bs = cache.block_size
     bounds = [past] + [q for q in range(past + 1, past + n) if q % bs == bs - 1] + [past + n]
     return [b - a for a, b in zip(bounds, bounds[1:])]
 

@@ -542,33 +542,6 @@ struct StoreRows {
   }
 };
 
-// int8 rows times their scales: keys per channel (a [D] float16 row per block), values per token (one float16);
-// positions from `full` on are in the sequence's full-precision window
-struct Int8Rows {
-  int64_t first = 0;  // the position of at[0]
-  std::vector<const int8_t*> at;
-  std::vector<const uint16_t*> scale;  // per position: [D] channel scales (keys) or one scale (values)
-  bool per_channel = true;
-  int64_t full = 0;
-  const float* window = nullptr;  // [block_size, D] rows for positions full, full + 1, ...
-  const float* row(int64_t p, float* tmp, int64_t d) const {
-    if (p >= full) return window + (p - full) * d;
-    const int8_t* q = at[p - first];
-    const uint16_t* sc = scale[p - first];
-#ifdef KVSCOPE_AVX2
-    __m256 one_scale = _mm256_set1_ps(per_channel ? 0.f : half_to_float(*sc));
-    for (int64_t j = 0; j < d; j += 8) {
-      __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + j))));
-      __m256 s8 = per_channel ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + j))) : one_scale;
-      _mm256_storeu_ps(tmp + j, _mm256_mul_ps(v, s8));
-    }
-#else
-    for (int64_t j = 0; j < d; ++j) tmp[j] = q[j] * half_to_float(per_channel ? sc[j] : *sc);
-#endif
-    return tmp;
-  }
-};
-
 // Attention over fixed key tiles: the keys of positions [t * KEY_TILE, (t + 1) * KEY_TILE) form tile t, whatever
 // the layout. A task attends a group of query rows over one tile and leaves a partial result (the tile's
 // maximum score, the sum of exp(score - maximum), and the values weighted by those exponentials, each summed in
@@ -690,6 +663,196 @@ void attend_tile(const float* q, float* part, const K& keys, const V& values, co
                      part + i * stride + 2, d);
 }
 
+// ---------------------------------------------------------------- quantized KV: int8 and int4 codes with scales
+// int8 (symmetric): x = code * scale, code in -127..127. int4 (asymmetric, KIVI-style): x = code * scale + min,
+// code in 0..15, two codes a byte (byte j holds channel j in its low nibble and channel j + D/2 in its high one).
+// Keys: a scale (int4: and a minimum) per channel over the tokens of one block, since a few channels of the keys
+// carry outliers and per-channel groups keep them from spoiling the others; values: per token and head. The
+// positions from a sequence's last full block on sit in its float32 window (the block being filled).
+// Attention reads the codes in place: a block's key scales fold into the query (q * scale, plus q . min), a
+// token's value scale into its softmax weight, so no float copy of a key or value is ever made.
+
+template <int BITS>
+struct QuantRows {
+  int64_t first = 0, full = 0;
+  std::vector<const uint8_t*> code;    // per quantized position from `first`: its codes
+  std::vector<const uint16_t*> param;  // keys: the block's [D] scales (int4: then [D] minimums); values: the
+                                       // token's scale (int4: then its minimum)
+  const float* window = nullptr;       // [block_size, D] rows for positions full, full + 1, ...
+};
+
+template <int BITS>
+inline float code_at(const uint8_t* row, int64_t j, int64_t d) {
+  if constexpr (BITS == 8) return static_cast<float>(reinterpret_cast<const int8_t*>(row)[j]);
+  int64_t half = d / 2;
+  return static_cast<float>(j < half ? row[j] & 0x0F : row[j - half] >> 4);
+}
+
+#ifdef KVSCOPE_AVX2
+// channels j..j+7 of a row of codes as floats
+template <int BITS>
+inline __m256 codes8(const uint8_t* row, int64_t j, int64_t half) {
+  if constexpr (BITS == 8) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + j))));
+  } else {
+    bool high = j >= half;
+    __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + (high ? j - half : j)));
+    if (high) b = _mm_srli_epi16(b, 4);
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0x0F))));
+  }
+}
+
+inline __m256 halves8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#endif
+
+// a query against one block's keys: qs = q * scale per channel; bias = q . min (int4; 0 for int8)
+template <int BITS>
+inline float scale_query(const float* q, const uint16_t* param, int64_t d, float* qs) {
+#ifdef KVSCOPE_AVX2
+  __m256 bias = _mm256_setzero_ps();
+  for (int64_t j = 0; j < d; j += 8) {
+    __m256 qj = _mm256_loadu_ps(q + j);
+    _mm256_storeu_ps(qs + j, _mm256_mul_ps(qj, halves8(param + j)));
+    if constexpr (BITS == 4) bias = _mm256_fmadd_ps(qj, halves8(param + d + j), bias);
+  }
+  return hsum(bias);
+#else
+  float bias = 0.f;
+  for (int64_t j = 0; j < d; ++j) {
+    qs[j] = q[j] * half_to_float(param[j]);
+    if constexpr (BITS == 4) bias += q[j] * half_to_float(param[d + j]);
+  }
+  return bias;
+#endif
+}
+
+// scores of a scaled query against n rows of codes, four at a time (a last group of fewer repeats its last row)
+template <int BITS>
+inline void score_codes(const float* qs, float bias, const uint8_t* const* k, int64_t n, int64_t d, float* out) {
+#ifdef KVSCOPE_AVX2
+  int64_t half = d / 2;
+  for (int64_t p = 0; p < n; p += 4) {
+    const uint8_t* r[4];
+    for (int64_t j = 0; j < 4; ++j) r[j] = k[std::min(p + j, n - 1)];
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t j = 0; j < d; j += 8) {
+      __m256 qj = _mm256_loadu_ps(qs + j);
+      a0 = _mm256_fmadd_ps(qj, codes8<BITS>(r[0], j, half), a0);
+      a1 = _mm256_fmadd_ps(qj, codes8<BITS>(r[1], j, half), a1);
+      a2 = _mm256_fmadd_ps(qj, codes8<BITS>(r[2], j, half), a2);
+      a3 = _mm256_fmadd_ps(qj, codes8<BITS>(r[3], j, half), a3);
+    }
+    alignas(16) float four[4];
+    _mm_store_ps(four, _mm_add_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(bias)));
+    for (int64_t j = 0; j < 4 && p + j < n; ++j) out[p + j] = four[j];
+  }
+#else
+  for (int64_t p = 0; p < n; ++p) {
+    float acc = 0.f;
+    for (int64_t j = 0; j < d; ++j) acc += qs[j] * code_at<BITS>(k[p], j, d);
+    out[p] = acc + bias;
+  }
+#endif
+}
+
+template <int BITS>
+inline void weigh_codes_any(const float* e, const uint8_t* const* v, const uint16_t* const* prm, int64_t n,
+                            float* out, int64_t d) {
+  float bias = 0.f;
+  for (int64_t p = 0; p < n; ++p) {
+    float w = e[p] * half_to_float(prm[p][0]);
+    for (int64_t j = 0; j < d; ++j) out[j] += w * code_at<BITS>(v[p], j, d);
+    if constexpr (BITS == 4) bias += e[p] * half_to_float(prm[p][1]);
+  }
+  if constexpr (BITS == 4)
+    for (int64_t j = 0; j < d; ++j) out[j] += bias;
+}
+
+// out[0..d) += sum over p < n of e[p] * (scale_p * code_p + min_p), in position order per lane
+template <int BITS, int D8>
+inline void weigh_codes_fixed(const float* e, const uint8_t* const* v, const uint16_t* const* prm, int64_t n,
+                              float* out) {
+#ifdef KVSCOPE_AVX2
+  constexpr int64_t d = D8 * 8, half = d / 2;
+  __m256 acc[D8];
+  for (int j = 0; j < D8; ++j) acc[j] = _mm256_loadu_ps(out + 8 * j);
+  float bias = 0.f;
+  for (int64_t p = 0; p < n; ++p) {
+    __m256 w = _mm256_set1_ps(e[p] * half_to_float(prm[p][0]));
+    for (int j = 0; j < D8; ++j) acc[j] = _mm256_fmadd_ps(w, codes8<BITS>(v[p], 8 * j, half), acc[j]);
+    if constexpr (BITS == 4) bias += e[p] * half_to_float(prm[p][1]);
+  }
+  __m256 b = _mm256_set1_ps(bias);
+  for (int j = 0; j < D8; ++j) _mm256_storeu_ps(out + 8 * j, BITS == 4 ? _mm256_add_ps(acc[j], b) : acc[j]);
+#else
+  weigh_codes_any<BITS>(e, v, prm, n, out, D8 * 8);
+#endif
+}
+
+template <int BITS>
+inline void weigh_codes(const float* e, const uint8_t* const* v, const uint16_t* const* prm, int64_t n, float* out,
+                        int64_t d) {
+  if (d == 64) return weigh_codes_fixed<BITS, 8>(e, v, prm, n, out);
+  if (d == 128) return weigh_codes_fixed<BITS, 16>(e, v, prm, n, out);
+  weigh_codes_any<BITS>(e, v, prm, n, out, d);
+}
+
+// as the float attend_tile: quantized positions [k0, min(k1, full)) block by block, then the window's positions
+template <int BITS>
+void attend_tile(const float* q, float* part, const QuantRows<BITS>& keys, const QuantRows<BITS>& values,
+                 const int32_t* pos, int64_t rows, int64_t group, int64_t d, int64_t k0, int64_t k1) {
+  constexpr int64_t VALUES_AT_ONCE = 32;
+  int64_t n = k1 - k0, padded = (n + 7) / 8 * 8, nq = rows * group, stride = d + 2;
+  int64_t qend = std::clamp(keys.full, k0, k1);
+  thread_local std::vector<float> scores, qs;
+  thread_local std::vector<const float*> window_k, window_v;
+  scores.assign(nq * padded, 0.f);
+  qs.resize(d);
+  std::vector<int64_t> last(nq);  // each vector's last key in this tile, from k0
+  for (int64_t i = 0; i < nq; ++i) last[i] = std::min<int64_t>(pos[i / group], k1 - 1) - k0;
+  for (int64_t s = k0; s < qend;) {  // one block of keys (one set of scales) at a time
+    const uint16_t* prm = keys.param[s - keys.first];
+    int64_t e = s + 1;
+    while (e < qend && keys.param[e - keys.first] == prm) ++e;
+    const uint8_t* const* codes = keys.code.data() + (s - keys.first);
+    for (int64_t i = 0; i < nq; ++i) {
+      if (s - k0 > last[i]) continue;
+      float bias = scale_query<BITS>(q + i * d, prm, d, qs.data());
+      score_codes<BITS>(qs.data(), bias, codes, std::min(e, k0 + last[i] + 1) - s, d, scores.data() + i * padded + s - k0);
+    }
+    s = e;
+  }
+  window_k.resize(k1 - qend);
+  window_v.resize(k1 - qend);
+  for (int64_t p = qend; p < k1; ++p) {
+    window_k[p - qend] = keys.window + (p - keys.full) * d;
+    window_v[p - qend] = values.window + (p - values.full) * d;
+  }
+  for (int64_t i = 0; i < nq; ++i)
+    if (qend - k0 <= last[i])
+      score_keys(q + i * d, window_k.data(), k0 + last[i] + 1 - qend, d, scores.data() + i * padded + qend - k0);
+  for (int64_t i = 0; i < nq; ++i) {
+    float* pi = part + i * stride;
+    pi[0] = -std::numeric_limits<float>::infinity();
+    pi[1] = 0.f;
+    std::fill_n(pi + 2, d, 0.f);
+    if (last[i] < 0) continue;
+    float* si = scores.data() + i * padded;
+    pi[0] = *std::max_element(si, si + last[i] + 1);
+    pi[1] = softmax_row(si, last[i], padded, pi[0]);
+  }
+  for (int64_t p = k0; p < qend; p += VALUES_AT_ONCE)
+    for (int64_t i = 0; i < nq; ++i)
+      if (p - k0 <= last[i])
+        weigh_codes<BITS>(scores.data() + i * padded + p - k0, values.code.data() + (p - values.first),
+                          values.param.data() + (p - values.first),
+                          std::min({VALUES_AT_ONCE, qend - p, k0 + last[i] + 1 - p}), part + i * stride + 2, d);
+  for (int64_t i = 0; i < nq; ++i)
+    if (qend - k0 <= last[i])
+      weigh_values(scores.data() + i * padded + qend - k0, window_v.data(), k0 + last[i] + 1 - qend,
+                   part + i * stride + 2, d);
+}
+
 // the partials of one query vector over its tiles, in tile order -> out [D]
 inline void combine_tiles(const float* parts, int64_t tiles, int64_t tile_stride, float* out, int64_t d) {
   float mx = -std::numeric_limits<float>::infinity();
@@ -733,7 +896,7 @@ struct StoreAddresses {
   std::vector<int64_t> head_stride, slot_stride;
   StoreAddresses(const std::vector<at::Tensor>& stores) {  // NOLINT: implicit, for aggregate initialisation
     for (const auto& s : stores) {
-      base.push_back(s.data_ptr<T>());
+      base.push_back(static_cast<const T*>(s.data_ptr()));  // dtypes are checked by the callers
       head_stride.push_back(s.stride(0));
       slot_stride.push_back(s.dim() > 1 ? s.stride(1) : 1);
     }
@@ -910,74 +1073,115 @@ at::Tensor attention(const at::Tensor& q, std::vector<at::Tensor> k_stores, std:
   }
 }
 
-struct Int8Stores {
-  StoreAddresses<int8_t> k, v;  // [Hkv, slots, D] int8
-  StoreAddresses<at::Half> k_scale, v_scale;  // [Hkv, blocks, D] (per block and channel), [Hkv, slots] float16
+template <int BITS>
+struct QuantStores {
+  StoreAddresses<uint8_t> k, v;  // codes [Hkv, slots, D] int8 or [Hkv, slots, D/2] two int4 a byte
+  StoreAddresses<at::Half> k_param, v_param;  // [Hkv, blocks, D] / [Hkv, blocks, 2, D]; [Hkv, slots] / [Hkv, slots, 2]
   StoreAddresses<float> k_window, v_window;  // per sequence [Hkv, block_size, D] float32
   const StepMap& map;
   int64_t hkv;
   int64_t num_kv_heads() const { return hkv; }
-  std::pair<Int8Rows, Int8Rows> operator()(int64_t b, int64_t h, int64_t k0, int64_t k1) const {
-    Int8Rows keys, values;
+  std::pair<QuantRows<BITS>, QuantRows<BITS>> operator()(int64_t b, int64_t h, int64_t k0, int64_t k1) const {
+    QuantRows<BITS> keys, values;
     int64_t full = map.kv_len(b) / map.block_size * map.block_size;
     keys.full = values.full = full;
     keys.first = values.first = k0;
     keys.window = k_window.at(b, h, 0);
     values.window = v_window.at(b, h, 0);
-    values.per_channel = false;
     int64_t quantized = std::max<int64_t>(0, std::min(k1, full) - k0);
-    for (auto* rows : {&keys, &values}) rows->at.resize(quantized), rows->scale.resize(quantized);
+    for (auto* rows : {&keys, &values}) rows->code.resize(quantized), rows->param.resize(quantized);
     map.each_position(b, k0, k0 + quantized, [&](int64_t p, int64_t store, int64_t slot) {
-      keys.at[p - k0] = k.at(store, h, slot);
-      values.at[p - k0] = v.at(store, h, slot);
-      keys.scale[p - k0] = reinterpret_cast<const uint16_t*>(k_scale.at(store, h, slot / map.block_size));
-      values.scale[p - k0] = reinterpret_cast<const uint16_t*>(v_scale.at(store, h, slot));
+      keys.code[p - k0] = k.at(store, h, slot);
+      values.code[p - k0] = v.at(store, h, slot);
+      keys.param[p - k0] = reinterpret_cast<const uint16_t*>(k_param.at(store, h, slot / map.block_size));
+      values.param[p - k0] = reinterpret_cast<const uint16_t*>(v_param.at(store, h, slot));
     });
     return {keys, values};
   }
 };
 
-// the int8 pool's tensors: codes, scales and per-sequence float32 windows of rows of D
-void check_int8_pool(const std::vector<at::Tensor>& k_stores, const std::vector<at::Tensor>& v_stores,
-                     const std::vector<at::Tensor>& k_scales, const std::vector<at::Tensor>& v_scales,
-                     const std::vector<at::Tensor>& k_windows, const std::vector<at::Tensor>& v_windows) {
-  check_stores(k_stores, at::kChar, 3, "int8 keys");
-  check_stores(v_stores, at::kChar, 3, "int8 values");
-  check_stores(k_scales, at::kHalf, 3, "key scales");
-  check_stores(v_scales, at::kHalf, 2, "value scales");
+// a quantized cache's tensors: codes, scales and per-sequence float32 windows of rows of D
+void check_quant_stores(int64_t bits, const std::vector<at::Tensor>& k_stores, const std::vector<at::Tensor>& v_stores,
+                        const std::vector<at::Tensor>& k_params, const std::vector<at::Tensor>& v_params,
+                        const std::vector<at::Tensor>& k_windows, const std::vector<at::Tensor>& v_windows) {
+  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4");
+  TORCH_CHECK(k_stores.size() == v_stores.size() && k_params.size() == k_stores.size() &&
+                  v_params.size() == k_stores.size(), "codes and scales per store");
+  auto codes = bits == 8 ? at::kChar : at::kByte;
+  check_stores(k_stores, codes, 3, "key codes");
+  check_stores(v_stores, codes, 3, "value codes");
+  check_stores(k_params, at::kHalf, bits == 8 ? 3 : 4, "key scales");
+  check_stores(v_params, at::kHalf, bits == 8 ? 2 : 3, "value scales");
   check_stores(k_windows, at::kFloat, 3, "key windows");
   check_stores(v_windows, at::kFloat, 3, "value windows");
+  TORCH_CHECK(k_windows.size() == v_windows.size(), "one value window per key window");
   for (const auto* windows : {&k_windows, &v_windows})
     for (const auto& w : *windows) TORCH_CHECK(w.stride(1) == w.size(2), "windows: contiguous rows of D");
+  if (bits == 4)
+    for (const auto& p : k_params) TORCH_CHECK(p.stride(2) == p.size(3), "int4 key scales: [Hkv, blocks, 2, D]");
 }
 
-// the int8 paged pool's writes: each new token goes to its sequence's float32 window (row p % block_size); when
-// that fills a block, the block is quantized into its store: keys per channel (a float16 scale per channel
-// over the block's tokens), values per token (one float16 scale), code = round(x / scale) in -127..127
 inline float int8_scale(float absmax) {
   return static_cast<float>(c10::Half(std::max(absmax / 127.f, 1e-5f)));
 }
 
-inline int8_t to_int8(float x, float scale) {
-  return static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x / scale))));
+inline uint8_t to_code(float x, float scale, float minimum, float top, float bottom) {
+  return static_cast<uint8_t>(static_cast<int8_t>(std::min(top, std::max(bottom, std::nearbyint((x - minimum) / scale)))));
 }
 
-void write_kv_int8(std::vector<at::Tensor> k_stores, std::vector<at::Tensor> v_stores,
-                   std::vector<at::Tensor> k_scales, std::vector<at::Tensor> v_scales,
-                   std::vector<at::Tensor> k_windows, std::vector<at::Tensor> v_windows, const at::Tensor& k,
-                   const at::Tensor& v, const at::Tensor& store_of, const at::Tensor& slot_of, int64_t block_size) {
-  TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes() &&
-                  k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              "k, v: contiguous float32 [B, Hkv, T, D]");
-  int64_t b = k.size(0), h = k.size(1), t = k.size(2), d = k.size(3), bs = block_size;
-  TORCH_CHECK(static_cast<int64_t>(k_windows.size()) == b && static_cast<int64_t>(v_windows.size()) == b,
-              "one window per sequence");
-  check_int8_pool(k_stores, v_stores, k_scales, v_scales, k_windows, v_windows);
-  StoreAddresses<int8_t> kq(k_stores), vq(v_stores);
-  StoreAddresses<at::Half> ks(k_scales), vs(v_scales);
+// n values x[0], x[stride], ... -> float16 scale (int4: and minimum) in prm[0] (and prm[min_at]); codes via put(i, code)
+template <int BITS, typename Put>
+void quantize_group(const float* x, int64_t n, int64_t stride, uint16_t* prm, int64_t min_at, Put put) {
+  float lo = x[0], hi = x[0];
+  for (int64_t i = 1; i < n; ++i) lo = std::min(lo, x[i * stride]), hi = std::max(hi, x[i * stride]);
+  if constexpr (BITS == 8) {
+    float scale = int8_scale(std::max(std::fabs(lo), std::fabs(hi)));
+    prm[0] = c10::Half(scale).x;
+    for (int64_t i = 0; i < n; ++i) put(i, to_code(x[i * stride], scale, 0.f, 127.f, -127.f));
+  } else {
+    float minimum = static_cast<float>(c10::Half(lo));
+    float scale = static_cast<float>(c10::Half(std::max((hi - minimum) / 15.f, 1e-5f)));
+    prm[0] = c10::Half(scale).x;
+    prm[min_at] = c10::Half(minimum).x;
+    for (int64_t i = 0; i < n; ++i) put(i, to_code(x[i * stride], scale, minimum, 15.f, 0.f));
+  }
+}
+
+template <int BITS>
+inline void put_code(uint8_t* row, int64_t j, int64_t d, uint8_t code) {
+  if constexpr (BITS == 8) {
+    row[j] = code;
+  } else {
+    int64_t half = d / 2;
+    if (j < half) row[j] = (row[j] & 0xF0) | code;
+    else row[j - half] = (row[j - half] & 0x0F) | static_cast<uint8_t>(code << 4);
+  }
+}
+
+// a full block of window rows [bs, D] -> codes at slots first..first+bs-1 and their scales
+template <int BITS>
+void quantize_block(const float* kwin, const float* vwin, int64_t bs, int64_t d, uint8_t* const* k_rows,
+                    uint8_t* const* v_rows, uint16_t* k_prm, uint16_t* const* v_prm) {
+  for (int64_t j = 0; j < d; ++j)  // keys: per channel over the block's tokens
+    quantize_group<BITS>(kwin + j, bs, d, k_prm + j, d, [&](int64_t r, uint8_t c) { put_code<BITS>(k_rows[r], j, d, c); });
+  for (int64_t r = 0; r < bs; ++r)  // values: per token
+    quantize_group<BITS>(vwin + r * d, d, 1, v_prm[r], 1, [&](int64_t j, uint8_t c) { put_code<BITS>(v_rows[r], j, d, c); });
+}
+
+// writes of a quantized cache: each new token goes to its sequence's float32 window (row p % block_size); when
+// that fills a block, the block is quantized into its store (see the section's head)
+template <int BITS>
+void write_quant(const std::vector<at::Tensor>& k_stores, const std::vector<at::Tensor>& v_stores,
+                 const std::vector<at::Tensor>& k_params, const std::vector<at::Tensor>& v_params,
+                 const std::vector<at::Tensor>& k_windows, const std::vector<at::Tensor>& v_windows,
+                 const at::Tensor& k, const at::Tensor& v, const int32_t* st, const int32_t* sl, int64_t bs) {
+  int64_t b = k.size(0), h = k.size(1), t = k.size(2), d = k.size(3);
+  StoreAddresses<uint8_t> kq(k_stores), vq(v_stores);
+  StoreAddresses<at::Half> kp(k_params), vp(v_params);
   StoreAddresses<float> kw(k_windows), vw(v_windows);
-  const int32_t *st = store_of.data_ptr<int32_t>(), *sl = slot_of.data_ptr<int32_t>();
-  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float *kx = k.data_ptr<float>(), *vx = v.data_ptr<float>();
+  std::vector<uint8_t*> k_rows(bs), v_rows(bs);
+  std::vector<uint16_t*> v_prm(bs);
   for (int64_t bi = 0; bi < b; ++bi)
     for (int64_t ti = 0; ti < t; ++ti) {
       int64_t store = st[bi * t + ti], slot = sl[bi * t + ti], row = slot % bs;
@@ -985,46 +1189,58 @@ void write_kv_int8(std::vector<at::Tensor> k_stores, std::vector<at::Tensor> v_s
       for (int64_t hi = 0; hi < h; ++hi) {
         float* kwin = const_cast<float*>(kw.at(bi, hi, 0));
         float* vwin = const_cast<float*>(vw.at(bi, hi, 0));
-        std::copy_n(kp + ((bi * h + hi) * t + ti) * d, d, kwin + row * d);
-        std::copy_n(vp + ((bi * h + hi) * t + ti) * d, d, vwin + row * d);
+        std::copy_n(kx + ((bi * h + hi) * t + ti) * d, d, kwin + row * d);
+        std::copy_n(vx + ((bi * h + hi) * t + ti) * d, d, vwin + row * d);
         if (row != bs - 1) continue;
         int64_t first = slot - row;  // the block is full: quantize it
-        auto* kscale = reinterpret_cast<uint16_t*>(const_cast<at::Half*>(ks.at(store, hi, first / bs)));
-        for (int64_t j = 0; j < d; ++j) {
-          float absmax = 0.f;
-          for (int64_t r = 0; r < bs; ++r) absmax = std::max(absmax, std::fabs(kwin[r * d + j]));
-          float scale = int8_scale(absmax);
-          kscale[j] = c10::Half(scale).x;
-          for (int64_t r = 0; r < bs; ++r)
-            const_cast<int8_t*>(kq.at(store, hi, first + r))[j] = to_int8(kwin[r * d + j], scale);
-        }
         for (int64_t r = 0; r < bs; ++r) {
-          float absmax = 0.f;
-          for (int64_t j = 0; j < d; ++j) absmax = std::max(absmax, std::fabs(vwin[r * d + j]));
-          float scale = int8_scale(absmax);
-          *const_cast<at::Half*>(vs.at(store, hi, first + r)) = c10::Half(scale);
-          int8_t* dst = const_cast<int8_t*>(vq.at(store, hi, first + r));
-          for (int64_t j = 0; j < d; ++j) dst[j] = to_int8(vwin[r * d + j], scale);
+          k_rows[r] = const_cast<uint8_t*>(kq.at(store, hi, first + r));
+          v_rows[r] = const_cast<uint8_t*>(vq.at(store, hi, first + r));
+          v_prm[r] = reinterpret_cast<uint16_t*>(const_cast<at::Half*>(vp.at(store, hi, first + r)));
         }
+        auto* k_prm = reinterpret_cast<uint16_t*>(const_cast<at::Half*>(kp.at(store, hi, first / bs)));
+        quantize_block<BITS>(kwin, vwin, bs, d, k_rows.data(), v_rows.data(), k_prm, v_prm.data());
       }
     }
 }
 
-// the int8 paged pool: as `attention`, with int8 stores and their scales, and per sequence a float32 window
-// holding its positions from the last full block on (the block being filled)
-at::Tensor attention_int8(const at::Tensor& q, std::vector<at::Tensor> k_stores, std::vector<at::Tensor> v_stores,
-                          std::vector<at::Tensor> k_scales, std::vector<at::Tensor> v_scales,
-                          std::vector<at::Tensor> k_windows, std::vector<at::Tensor> v_windows,
-                          const at::Tensor& table, const at::Tensor& block_store, const at::Tensor& block_start,
-                          int64_t block_size, const at::Tensor& q_pos) {
-  TORCH_CHECK(k_stores.size() == v_stores.size() && k_scales.size() == k_stores.size() &&
-                  v_scales.size() == k_stores.size(), "stores and scales per chunk");
-  TORCH_CHECK(k_windows.size() == static_cast<size_t>(q.size(0)) && v_windows.size() == k_windows.size(),
-              "one window per sequence");
-  check_int8_pool(k_stores, v_stores, k_scales, v_scales, k_windows, v_windows);
+void write_kv_quant(std::vector<at::Tensor> k_stores, std::vector<at::Tensor> v_stores,
+                    std::vector<at::Tensor> k_params, std::vector<at::Tensor> v_params,
+                    std::vector<at::Tensor> k_windows, std::vector<at::Tensor> v_windows, const at::Tensor& k,
+                    const at::Tensor& v, const at::Tensor& store_of, const at::Tensor& slot_of, int64_t block_size,
+                    int64_t bits) {
+  TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes() &&
+                  k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "k, v: contiguous float32 [B, Hkv, T, D]");
+  TORCH_CHECK(static_cast<int64_t>(k_windows.size()) == k.size(0), "one window per sequence");
+  TORCH_CHECK(store_of.scalar_type() == at::kInt && slot_of.scalar_type() == at::kInt && store_of.is_contiguous() &&
+                  slot_of.is_contiguous() && store_of.numel() == k.size(0) * k.size(2) &&
+                  slot_of.numel() == store_of.numel(),
+              "store_of, slot_of: int32 [B, T]");
+  TORCH_CHECK(k.size(3) % 16 == 0, "head_dim must be a multiple of 16");
+  check_quant_stores(bits, k_stores, v_stores, k_params, v_params, k_windows, v_windows);
+  const int32_t *st = store_of.data_ptr<int32_t>(), *sl = slot_of.data_ptr<int32_t>();
+  if (bits == 8)
+    write_quant<8>(k_stores, v_stores, k_params, v_params, k_windows, v_windows, k, v, st, sl, block_size);
+  else
+    write_quant<4>(k_stores, v_stores, k_params, v_params, k_windows, v_windows, k, v, st, sl, block_size);
+}
+
+// a quantized cache: as `attention`, over codes and their scales, and per sequence a float32 window holding its
+// positions from the last full block on (the block being filled)
+at::Tensor attention_quant(const at::Tensor& q, std::vector<at::Tensor> k_stores, std::vector<at::Tensor> v_stores,
+                           std::vector<at::Tensor> k_params, std::vector<at::Tensor> v_params,
+                           std::vector<at::Tensor> k_windows, std::vector<at::Tensor> v_windows,
+                           const at::Tensor& table, const at::Tensor& block_store, const at::Tensor& block_start,
+                           int64_t block_size, const at::Tensor& q_pos, int64_t bits) {
+  TORCH_CHECK(k_windows.size() == static_cast<size_t>(q.size(0)), "one window per sequence");
+  TORCH_CHECK(q.size(3) % 16 == 0, "head_dim must be a multiple of 16");
+  check_quant_stores(bits, k_stores, v_stores, k_params, v_params, k_windows, v_windows);
   StepMap map = step_map(table, block_store, block_start, block_size, q_pos);
-  Int8Stores stores{{k_stores}, {v_stores}, {k_scales}, {v_scales}, {k_windows}, {v_windows}, map, k_stores[0].size(0)};
-  return run_attention(q, map, stores);
+  int64_t hkv = k_stores[0].size(0);
+  if (bits == 8)
+    return run_attention(q, map, QuantStores<8>{{k_stores}, {v_stores}, {k_params}, {v_params}, {k_windows}, {v_windows}, map, hkv});
+  return run_attention(q, map, QuantStores<4>{{k_stores}, {v_stores}, {k_params}, {v_params}, {k_windows}, {v_windows}, map, hkv});
 }
 
 }  // namespace
@@ -1041,10 +1257,10 @@ TORCH_LIBRARY(kvscope, m) {
         "Tensor block_start, int block_size, Tensor q_pos) -> Tensor", &attention);
   m.def("write_kv(Tensor(a!)[] k_stores, Tensor(b!)[] v_stores, Tensor k, Tensor v, Tensor store_of, "
         "Tensor slot_of) -> ()", &write_kv);
-  m.def("write_kv_int8(Tensor(a!)[] k_stores, Tensor(b!)[] v_stores, Tensor(c!)[] k_scales, Tensor(d!)[] v_scales, "
+  m.def("write_kv_quant(Tensor(a!)[] k_stores, Tensor(b!)[] v_stores, Tensor(c!)[] k_params, Tensor(d!)[] v_params, "
         "Tensor(e!)[] k_windows, Tensor(f!)[] v_windows, Tensor k, Tensor v, Tensor store_of, Tensor slot_of, "
-        "int block_size) -> ()", &write_kv_int8);
-  m.def("attention_int8(Tensor q, Tensor[] k_stores, Tensor[] v_stores, Tensor[] k_scales, Tensor[] v_scales, "
+        "int block_size, int bits) -> ()", &write_kv_quant);
+  m.def("attention_quant(Tensor q, Tensor[] k_stores, Tensor[] v_stores, Tensor[] k_params, Tensor[] v_params, "
         "Tensor[] k_windows, Tensor[] v_windows, Tensor table, Tensor block_store, Tensor block_start, "
-        "int block_size, Tensor q_pos) -> Tensor", &attention_int8);
+        "int block_size, Tensor q_pos, int bits) -> Tensor", &attention_quant);
 }

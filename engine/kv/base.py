@@ -67,6 +67,7 @@ class KVCache(ABC):
 
     name: str
     keeps_kv = True  # False for 'none': the caller must feed the whole sequence every step
+    quantization_group = 0  # a quantized cache's tokens per group (a block quantizes when it fills); 0: floats
 
     def __init__(self, model_config: ModelConfig, dtype: torch.dtype, device: torch.device, max_context: int):
         self.config = model_config
@@ -108,6 +109,12 @@ class KVCache(ABC):
     @abstractmethod
     def stats(self, seq_id: int | None = None) -> KVStats:
         """Memory figures; block states are seen from seq_id."""
+
+    @property
+    def precision(self) -> str:
+        """What keys and values are stored as: float32, bfloat16, float16, int8 or int4."""
+        codec = getattr(self, "codec", None)
+        return codec.name if codec is not None else str(self.dtype).removeprefix("torch.")
 
     def theoretical_bytes(self, tokens: int) -> int:
         return int(self.config.kv_bytes_per_token(self.bytes_per_element) * tokens)

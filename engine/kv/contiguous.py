@@ -119,4 +119,4 @@ class ContiguousCache(KVCache):
         live = sum(r.length for r in self.reservations.values())
         return KVStats(self.name, tokens=self.tokens_held(seq_id), bytes_allocated=reserved,
                        bytes_used=int(per_token * live), bytes_theoretical=self.theoretical_bytes(live),
-                       bytes_per_element=self.bytes_per_element)
+                       bytes_per_element=self.bytes_per_element, precision=self.precision)

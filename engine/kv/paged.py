@@ -267,9 +267,10 @@ class PagedCache(KVCache):
     def fork(self, src: int, dst: int) -> None:
         """dst starts holding what src holds by sharing its blocks (one more reference each): a branch of a
         conversation costs no copy of its prefix. The partly filled last block is copied before dst writes into
-        it (copy-on-write, in prepare/truncate). 'paged' only: paged-int8 also keeps a window per sequence."""
-        if self.name != "paged":
-            raise NotImplementedError(f"fork is not available for {self.name}")
+        it (copy-on-write, in prepare/truncate)."""
+        self._fork_blocks(src, dst)
+
+    def _fork_blocks(self, src: int, dst: int) -> None:
         parent = self.seqs[src]
         self.release(dst)
         for block in parent.blocks:
@@ -347,7 +348,7 @@ class PagedCache(KVCache):
             block_size=self.block_size, num_blocks=pool.num_blocks, num_blocks_used=pool.num_used,
             num_blocks_free=pool.num_free, num_blocks_cached=pool.num_cached,
             block_states=self.block_states(seq_id),
-            bytes_budget=self.budget_bytes(), num_blocks_budget=self.layout.max_blocks,
+            bytes_budget=self.budget_bytes(), num_blocks_budget=self.layout.max_blocks, precision=self.precision,
         )
 
     def bytes_allocated(self) -> int:

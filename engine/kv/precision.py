@@ -50,23 +50,23 @@ def bytes_per_token(model_config, precision: str, block_size: int = CONTIGUOUS_G
 
 
 def resolve(kv_dtype: str | None, device: torch.device, activations: torch.dtype,
-            cache_dir: Path | None) -> torch.dtype:
-    """The storage dtype for a setting: None keeps the activations' dtype; auto measures (see above)."""
+            cache_dir: Path | None) -> str:
+    """The precision name for a setting: None keeps the activations' dtype; auto measures (see above)."""
     if kv_dtype is None:
-        return activations
+        return str(activations).removeprefix("torch.")
     if kv_dtype != "auto":
-        return getattr(torch, kv_dtype)
+        return kv_dtype
     if device.type != "cpu":
-        return torch.float16
+        return "float16"
     if kernels.ops() is None or activations != torch.float32:
-        return activations
+        return str(activations).removeprefix("torch.")
     key = f"{AUTO_KEY}|{cpu_model()}|torch {torch.__version__}|threads {torch.get_num_threads()}|{kernels.TAG}"
     remembered = _read_choices(cache_dir)
     if key not in remembered:
         timings = measure_attention()
         remembered[key] = {"choice": min(timings, key=timings.get), "attention_us": timings}
         _write_choices(cache_dir, remembered)
-    return getattr(torch, remembered[key]["choice"])
+    return remembered[key]["choice"]
 
 
 def measure_attention(tokens: int = 2048, heads: int = 4, head_dim: int = 64, layers: int = 8,

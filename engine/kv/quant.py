@@ -1,4 +1,4 @@
-"""Symmetric int8 quantization for the KV cache.
+"""Quantization for the KV cache: symmetric int8, asymmetric int4 (KIVI-style), as codecs.
 
 Keys have a few outlier channels, so each key channel gets its own scale within a group of tokens (a block).
 Values are quantized per token. Scales are float16: one per (head, group, channel) for keys, one per
@@ -6,6 +6,9 @@ Values are quantized per token. Scales are float16: one per (head, group, channe
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -45,3 +48,92 @@ def dequantize_values(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
     """int8 [H, N, D], scales [H, N] -> [H, N, D], in one pass (into `out` when given)."""
     out = torch.empty(q.shape, dtype=dtype, device=q.device) if out is None else out
     return torch.mul(q, scale.to(dtype)[..., None], out=out)
+
+
+# ---- int4 (asymmetric, two codes a byte: byte j holds channel j low and channel j + D/2 high), KIVI's layout:
+# keys a float16 scale and minimum per channel over a group of tokens, values per token. x = code * scale + min.
+
+def _asymmetric(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x -> codes 0..15 (uint8, unpacked), float16 scales and minimums reduced over `dim` (kept as size 1)."""
+    minimum = x.float().amin(dim=dim, keepdim=True).to(SCALE_DTYPE)
+    top = x.float().amax(dim=dim, keepdim=True)
+    scale = ((top - minimum.float()) / 15.0).clamp_min(_MIN_SCALE).to(SCALE_DTYPE)
+    codes = torch.round((x.float() - minimum.float()) / scale.float()).clamp_(0, 15).to(torch.uint8)
+    return codes, scale, minimum
+
+
+def pack4(codes: torch.Tensor) -> torch.Tensor:
+    """[..., D] codes 0..15 -> [..., D/2] bytes (channel j low, channel j + D/2 high)."""
+    half = codes.shape[-1] // 2
+    return codes[..., :half] | (codes[..., half:] << 4)
+
+
+def unpack4(packed: torch.Tensor) -> torch.Tensor:
+    """[..., D/2] bytes -> [..., D] codes 0..15."""
+    return torch.cat([packed & 0x0F, packed >> 4], dim=-1)
+
+
+def quantize_keys_int4(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k: [H, G, T, D] -> packed codes [H, G, T, D/2], params [H, G, 2, D] (scale, minimum per channel)."""
+    codes, scale, minimum = _asymmetric(k, dim=2)
+    return pack4(codes), torch.cat([scale, minimum], dim=2)
+
+
+def dequantize_keys_int4(q: torch.Tensor, params: torch.Tensor, dtype: torch.dtype,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """packed [H, G, T, D/2], params [H, G, 2, D] -> [H, G * T, D]."""
+    h, g, t, _ = q.shape
+    x = unpack4(q).to(dtype) * params[:, :, 0:1].to(dtype) + params[:, :, 1:2].to(dtype)
+    x = x.view(h, g * t, -1)
+    if out is None:
+        return x
+    out.copy_(x)
+    return out
+
+
+def quantize_values_int4(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """v: [H, N, D] -> packed codes [H, N, D/2], params [H, N, 2] (scale, minimum per token)."""
+    codes, scale, minimum = _asymmetric(v, dim=-1)
+    return pack4(codes), torch.cat([scale, minimum], dim=-1)
+
+
+def dequantize_values_int4(q: torch.Tensor, params: torch.Tensor, dtype: torch.dtype,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """packed [H, N, D/2], params [H, N, 2] -> [H, N, D]."""
+    x = unpack4(q).to(dtype) * params[..., 0:1].to(dtype) + params[..., 1:2].to(dtype)
+    if out is None:
+        return x
+    out.copy_(x)
+    return out
+
+
+@dataclass(frozen=True)
+class KVCodec:
+    """A quantized KV precision: its codes, scales and the functions between them and floats."""
+
+    name: str
+    bits: int
+    quantize_keys: Callable  # [H, G, T, D] -> codes [H, G, T, W], params [H, G, ...]
+    dequantize_keys: Callable
+    quantize_values: Callable  # [H, N, D] -> codes [H, N, W], params [H, N, ...]
+    dequantize_values: Callable
+
+    def storage(self, layers: int, heads: int, blocks: int, block_size: int, head_dim: int,
+                device: torch.device | str) -> list[torch.Tensor]:
+        """Zeroed key codes, value codes [L, H, slots, W]; key params [L, H, blocks, (2,) D]; value params
+        [L, H, slots, (2)]."""
+        slots = blocks * block_size
+        if self.bits == 8:
+            codes = (layers, heads, slots, head_dim)
+            shapes = [codes, codes, (layers, heads, blocks, head_dim), (layers, heads, slots)]
+            dtypes = [torch.int8, torch.int8, SCALE_DTYPE, SCALE_DTYPE]
+        else:
+            codes = (layers, heads, slots, head_dim // 2)
+            shapes = [codes, codes, (layers, heads, blocks, 2, head_dim), (layers, heads, slots, 2)]
+            dtypes = [torch.uint8, torch.uint8, SCALE_DTYPE, SCALE_DTYPE]
+        return [torch.zeros(s, dtype=d, device=device) for s, d in zip(shapes, dtypes)]
+
+
+INT8 = KVCodec("int8", 8, quantize_keys, dequantize_keys, quantize_values, dequantize_values)
+INT4 = KVCodec("int4", 4, quantize_keys_int4, dequantize_keys_int4, quantize_values_int4, dequantize_values_int4)
+CODECS = {"int8": INT8, "int4": INT4}

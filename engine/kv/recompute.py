@@ -53,4 +53,4 @@ class RecomputeCache(KVCache):
         context = self.context_tokens.get(seq_id, 0)
         return KVStats(self.name, tokens=context, bytes_allocated=0, bytes_used=0,
                        bytes_theoretical=self.theoretical_bytes(sum(self.context_tokens.values())),
-                       bytes_per_element=self.bytes_per_element)
+                       bytes_per_element=self.bytes_per_element, precision=self.precision)

@@ -1,4 +1,5 @@
-"""'paged-int8': the paged layout with int8 keys and values plus float16 scales.
+"""The paged layout over quantized keys and values: 'paged-int8' (symmetric int8) and 'paged-int4' (KIVI-style
+asymmetric int4), each with float16 scales (engine/kv/quant.py).
 
 Keys are quantized per channel over the tokens of one block, values per token, when a block fills. Until
 then the sequence's newest tokens (its partly filled last block) stay in full precision in a small window.
@@ -12,6 +13,7 @@ from engine import kernels
 from engine.kv import quant
 from engine.kv.attention import KeyMap, attend
 from engine.kv.paged import PagedCache, PagedView, ReadPlan, Sequence, take
+from engine.kv.precision import bytes_per_token
 
 
 def pick(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
@@ -19,7 +21,7 @@ def pick(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
     return x if index is None else x.index_select(1, index)
 
 
-class Int8View(PagedView):
+class QuantView(PagedView):
     _dequantized_keys: KeyMap | None = None  # the pure PyTorch path's map: one store per sequence
 
     def attend(self, layer, q, k, v, spec=None):
@@ -30,14 +32,9 @@ class Int8View(PagedView):
                 c.store(layer, self.tables[i], c.windows[seq_id], self.past[i], k[i, :, : self.n_new[i]],
                         v[i, :, : self.n_new[i]])
             return self._attend_dequantized(layer, q, spec)
-        stores = [c.layer_stores(i, layer) for i in range(4)]  # int8 keys, values, key scales, value scales
+        stores = [c.layer_stores(i, layer) for i in range(4)]  # key codes, value codes, key scales, value scales
         windows = [c.windows[s][:, layer] for s in self.seq_ids]  # [2, Hkv, block_size, D] each
-        k_windows, v_windows = [w[0] for w in windows], [w[1] for w in windows]
-        keys = self.keys
-        ops.write_kv_int8(*stores, k_windows, v_windows, k.contiguous(), v.contiguous(), keys.store_of, keys.slot_of,
-                          c.block_size)
-        return ops.attention_int8(q.contiguous(), *stores, k_windows, v_windows, keys.table, keys.block_store,
-                                  keys.block_start, c.block_size, keys.q_pos)
+        return attend_quantized(ops, q, k, v, stores, windows, self.keys, c.block_size, c.codec.bits)
 
     def _attend_dequantized(self, layer: int, q: torch.Tensor, spec=None) -> torch.Tensor:
         """The pure PyTorch path: each sequence's keys and values dequantized in position order, then the one
@@ -50,22 +47,35 @@ class Int8View(PagedView):
         return attend(q, [k for k, _ in held], [v for _, v in held], self._dequantized_keys, spec)
 
 
-class PagedInt8Cache(PagedCache):
-    name = "paged-int8"
+def attend_quantized(ops, q, k, v, stores: list[list[torch.Tensor]], windows: list[torch.Tensor], keys: KeyMap,
+                     block_size: int, bits: int) -> torch.Tensor:
+    """The compiled path of a quantized cache, any layout: write the step's keys and values (q, k, v as
+    StepView.attend takes them) into the windows, quantizing the blocks they fill, then attend over the codes.
+    stores: per storage tensor (key codes, value codes, key scales, value scales) its [Hkv, ...] store per
+    store index of `keys`; windows: per sequence [2, Hkv, block_size, D]."""
+    k_windows, v_windows = [w[0] for w in windows], [w[1] for w in windows]
+    ops.write_kv_quant(*stores, k_windows, v_windows, k.contiguous(), v.contiguous(), keys.store_of, keys.slot_of,
+                       block_size, bits)
+    return ops.attention_quant(q.contiguous(), *stores, k_windows, v_windows, keys.table, keys.block_store,
+                               keys.block_start, block_size, keys.q_pos, bits)
 
-    def __init__(self, *args, **kwargs):
+
+class PagedQuantCache(PagedCache):
+    """codec: quant.INT8 or quant.INT4 (the cache's name says which: paged-int8, paged-int4)."""
+
+    def __init__(self, *args, codec: quant.KVCodec = quant.INT8, **kwargs):
+        self.codec = codec
+        self.name = f"paged-{codec.name}"
         super().__init__(*args, **kwargs)
-        self.bytes_per_element = 1
+        self.bytes_per_element = codec.bits / 8
+        self.quantization_group = self.block_size
         self.windows: dict[int, torch.Tensor] = {}
 
     def _chunk_tensors(self, num_blocks: int, device) -> list[torch.Tensor]:
-        """int8 keys and values [L, Hkv, slots, D]; key scales [L, Hkv, blocks, D]; value scales [L, Hkv, slots]."""
+        """Key and value codes [L, Hkv, slots, W]; key scales [L, Hkv, blocks, (2,) D]; value scales
+        [L, Hkv, slots, (2)] (quant.KVCodec.storage)."""
         c = self.config
-        shape = (c.num_layers, c.num_kv_heads, num_blocks * self.block_size, c.head_dim)
-        k, v = (torch.zeros(shape, dtype=torch.int8, device=device) for _ in range(2))
-        k_scale = torch.zeros(shape[:2] + (num_blocks, c.head_dim), dtype=quant.SCALE_DTYPE, device=device)
-        v_scale = torch.zeros(shape[:3], dtype=quant.SCALE_DTYPE, device=device)
-        return [k, v, k_scale, v_scale]
+        return self.codec.storage(c.num_layers, c.num_kv_heads, num_blocks, self.block_size, c.head_dim, device)
 
     def _new_window(self) -> torch.Tensor:
         c = self.config
@@ -83,7 +93,7 @@ class PagedInt8Cache(PagedCache):
         super().release(seq_id)
 
     def _make_view(self, seq_ids, past, n_new, tables):
-        return Int8View(self, seq_ids, past, n_new, tables)
+        return QuantView(self, seq_ids, past, n_new, tables)
 
     # ---- writing and reading one sequence
     def store(self, layer: int, table: list[int], window: torch.Tensor, past: int, k: torch.Tensor,
@@ -102,12 +112,12 @@ class PagedInt8Cache(PagedCache):
         window[1, layer, :, :rest] = values[:, full * bs:]
 
     def _store_blocks(self, layer: int, blocks: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [Hkv, len(blocks) * block_size, D] full precision -> int8 and scales in those blocks."""
+        """k, v: [Hkv, len(blocks) * block_size, D] full precision -> codes and scales in those blocks."""
         h, n, d = k.shape
         bs = self.block_size
-        k_q, k_scale = quant.quantize_keys(k.view(h, n // bs, bs, d))  # [Hkv, blocks, bs, D], [Hkv, blocks, D]
-        v_q, v_scale = quant.quantize_values(v)  # [Hkv, n, D], [Hkv, n]
-        k_q = k_q.view(h, n, d)
+        k_q, k_scale = self.codec.quantize_keys(k.view(h, n // bs, bs, d))  # [Hkv, blocks, bs, W], [Hkv, blocks, ..]
+        v_q, v_scale = self.codec.quantize_values(v)  # [Hkv, n, W], [Hkv, n, ..]
+        k_q = k_q.view(h, n, -1)
         for chunk, offsets, sources in self._blocks_by_chunk(blocks):
             k_c, v_c, k_scale_c, v_scale_c = (by_layer[layer] for by_layer in self.layers[chunk])
             slots = self.block_slots(offsets)
@@ -147,12 +157,12 @@ class PagedInt8Cache(PagedCache):
         bs, start = self.block_size, 0
         for chunk, slots in plan.pieces:
             k_c, v_c, k_scale_c, v_scale_c = (by_layer[layer] for by_layer in self.layers[chunk])
-            k_q, v_q = take(k_c, slots), take(v_c, slots)  # [Hkv, S_p, D] int8
-            h, n, d = k_q.shape
+            k_q, v_q = take(k_c, slots), take(v_c, slots)  # [Hkv, S_p, W] codes
+            h, n, w = k_q.shape
             blocks = slice(slots.start // bs, slots.stop // bs) if isinstance(slots, slice) else slots[::bs] // bs
             out = slice(start, start + n)
-            quant.dequantize_keys(k_q.view(h, n // bs, bs, d), take(k_scale_c, blocks), self.dtype, keys[:, out])
-            quant.dequantize_values(v_q, take(v_scale_c, slots), self.dtype, values[:, out])
+            self.codec.dequantize_keys(k_q.view(h, n // bs, bs, w), take(k_scale_c, blocks), self.dtype, keys[:, out])
+            self.codec.dequantize_values(v_q, take(v_scale_c, slots), self.dtype, values[:, out])
             start += n
         keys[:, start:length] = window[0, layer, :, : length - start]
         values[:, start:length] = window[1, layer, :, : length - start]
@@ -192,8 +202,21 @@ class PagedInt8Cache(PagedCache):
         windows = sum(w.nbytes for w in self.windows.values())
         return super().bytes_allocated() + windows
 
+    def theoretical_bytes(self, tokens: int) -> int:
+        return int(bytes_per_token(self.config, self.codec.name, self.block_size) * tokens)
+
     def stats(self, seq_id=None):
         stats = super().stats(seq_id)
         windows = sum(w.nbytes for w in self.windows.values())
-        return type(stats)(**{**stats.__dict__, "bytes_used": stats.bytes_used + windows})
+        return type(stats)(**{**stats.__dict__, "bytes_used": stats.bytes_used + windows, "bytes_window": windows,
+                              "precision": self.codec.name})
 
+    def fork(self, src: int, dst: int) -> None:
+        """As the float pool: dst shares src's blocks; its full-precision window is copied."""
+        self._fork_blocks(src, dst)
+        self.windows[dst] = self.windows[src].clone()
+
+
+
+class PagedInt8Cache(PagedQuantCache):
+    """paged + int8: the name the cache menu has always had."""
