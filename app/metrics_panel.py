@@ -17,9 +17,8 @@ from PySide6.QtWidgets import QFrame, QScrollArea, QSplitter, QTextBrowser, QVBo
 
 from app.figures import figure_rows, figures_html
 from app.model_info import ModelInfo
-from app.plots import PlotBox, make_plot, update_headroom
+from app.plots import PlotBox, make_plot, series_color, update_headroom
 from app.step_log import MIB, Run, StepLog
-from app.style import strategy_color
 
 REFRESH_MS = 120  # one part per tick: each plot and the figures redraw about three times per second
 MIN_WIDTH = 380  # with a 340-pixel chat the window fits half of a 1920-pixel screen
@@ -84,6 +83,7 @@ class MetricsPanel(QWidget):
     # --- inputs -------------------------------------------------------------------------------------------------
     def set_model_info(self, info: ModelInfo) -> None:
         self.info = info
+        self.log.set_configuration(getattr(info, "kv_dtype", ""), info.weight_format)  # keys the next steps' series
         self._show_weights(info)
         self._update_figures()
 
@@ -255,8 +255,8 @@ class MetricsPanel(QWidget):
         return self._items[key]
 
     def _create_items(self, run: Run) -> dict[str, pg.PlotDataItem]:
-        color = strategy_color(run.strategy)
-        name = run.strategy if run.index == 0 else None
+        color = series_color(run.strategy, self.log.variant(run))  # one colour per configuration
+        name = self.log.label(run) if run.index == 0 else None
         items = {
             "decode": pg.PlotDataItem(pen=_pen(color), name=name, connect="finite"),
             "prefill": pg.PlotDataItem(pen=_prefill_pen(color), connect="pairs", symbol="|", symbolSize=9,
@@ -267,6 +267,8 @@ class MetricsPanel(QWidget):
             "verify": pg.PlotDataItem(pen=None, symbol="o", symbolPen=None, symbolBrush=_verify_brush(color)),
         }
         items["prefill"].setZValue(-1)  # behind every line: a prefill never covers a series
+        if name is not None:  # the legend's name follows what sets this configuration apart from the others
+            items["decode"].series_label = items["allocated"].series_label = lambda: self.log.label(run)
         for key, item in items.items():
             (self.latency_plot if key in LATENCY_ITEMS else self.memory_plot).addItem(item)
             if key != "prefill":  # after addItem, which applies the plot's own (off) downsampling to the item

@@ -12,9 +12,10 @@ from html import escape
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
+from PySide6.QtGui import QColor
 from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 
-from app.style import PLOT_BACKGROUND, PLOT_FOREGROUND
+from app.style import PLOT_BACKGROUND, PLOT_FOREGROUND, strategy_color
 
 MIN_PLOT_HEIGHT = 150
 LEFT_AXIS_WIDTH = 58  # the same on every plot, so that linked x axes line up pixel for pixel
@@ -22,6 +23,22 @@ MAX_LABELLED_SPAN = 2.5  # decades: up to this span a log axis labels 1, 2 and 5
 HEADROOM = 1.08  # the highest point stays at least this factor below the top of a log axis
 STEPS_125 = (1.0, 2.0, 5.0)
 GLYPHS = {Qt.PenStyle.SolidLine: "━━", Qt.PenStyle.DashLine: "╸ ╸", Qt.PenStyle.DotLine: "┄┄"}
+
+
+VARIANT_SHIFTS = ((0, 0), (40, 35), (-40, -30), (80, 0), (-80, 25), (120, -20))  # (hue degrees, lightness %)
+
+
+def series_color(strategy: str, variant: int = 0) -> str:
+    """The strategy's colour for its first configuration; its later configurations (other weights, another KV
+    precision) turn the hue and shift the lightness, so each series has a colour of its own yet stays near the
+    strategy's."""
+    if variant == 0:
+        return strategy_color(strategy)
+    hue_shift, light_shift = VARIANT_SHIFTS[variant % len(VARIANT_SHIFTS)]
+    color = QColor(strategy_color(strategy))
+    h, s, lightness, _ = color.getHsl()
+    lightness = min(max(lightness + light_shift * 255 // 100, 90), 220)  # stays readable on the dark background
+    return QColor.fromHsl((max(h, 0) + hue_shift * (1 + variant // len(VARIANT_SHIFTS))) % 360, s, lightness).name()
 
 
 def labelled_multipliers(span_decades: float) -> tuple[float, ...]:
@@ -148,13 +165,17 @@ class SeriesLegend(QLabel):
 
     def entries(self) -> list[tuple[str, str, str]]:
         """(colour, glyph, name) per named series in the order they were added, then the keys to line styles
-        (series whose item has legend_key set)."""
+        (series whose item has legend_key set). An item's series_label() (when it has one) gives its name now:
+        a name can grow when a later series differs from it in a new way."""
         legend = self.plot.getPlotItem().legend
         series, keys = [], []
         for sample, label in legend.items:
             pen = sample.item.opts.get("pen") if hasattr(sample.item, "opts") else None
             color, glyph = _glyph(pen if pen is not None else PLOT_FOREGROUND)
-            entry = (color, getattr(sample.item, "legend_glyph", glyph), label.text)
+            name = sample.item.series_label() if hasattr(sample.item, "series_label") else label.text
+            if name != label.text:
+                label.setText(name)
+            entry = (color, getattr(sample.item, "legend_glyph", glyph), name)
             (keys if getattr(sample.item, "legend_key", False) else series).append(entry)
         return series + keys
 
