@@ -57,6 +57,7 @@ class EngineClient(QObject, ChatRequests):
     _set_weights = Signal(str)
     _set_kv_budget = Signal(object)
     _set_kv_dtype = Signal(object)
+    _compare = Signal(int, object)
     _new_conversation = Signal(object)
     _open_conversation = Signal(object)
     _set_system_prompt = Signal(object)
@@ -79,6 +80,7 @@ class EngineClient(QObject, ChatRequests):
                  (self._regenerate, w.regenerate), (self._edit, w.edit_and_resend), (self._set_cache, w.set_cache),
                  (self._set_prefix_reuse, w.set_prefix_reuse), (self._set_kv_budget, w.set_kv_budget),
                  (self._set_kv_dtype, w.set_kv_dtype),
+                 (self._compare, w.compare),
                  (self._set_weights, w.set_weights),
                  (self._new_conversation, w.new_conversation), (self._open_conversation, w.open_conversation),
                  (self._set_system_prompt, w.set_system_prompt))
@@ -112,6 +114,12 @@ class EngineClient(QObject, ChatRequests):
     def set_kv_dtype(self, name: str | None) -> None:
         """The KV precision (engine.config.KV_DTYPES); applied between turns, as a new cache."""
         self._set_kv_dtype.emit(name)
+
+    def compare(self, configs) -> int:
+        """Replay the conversation under each engine.replay.ReplayConfig; Stop (stop()) ends it like a reply."""
+        self._requests += 1
+        self._compare.emit(self._requests, list(configs))
+        return self._requests
 
     def shutdown(self) -> None:
         """Cancel, let the worker's current step finish, stop the thread and wait for it."""

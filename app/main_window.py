@@ -23,6 +23,8 @@ from PySide6.QtWidgets import QApplication, QMainWindow, QMessageBox, QSplitter
 from app.backends.switch import Backends
 from app.block_map import BlockMap
 from app.chat_view import ChatView
+from app.compare_controller import CompareController
+from app.conversation_list import ConversationList, Conversations
 from app.dialogs import about_html
 from app.menus import Menus
 from app.message_widget import speculation_footer
@@ -64,6 +66,8 @@ class MainWindow(QMainWindow):
         self.backends = Backends(self)  # the local engine (app.backends.local) or a server (app.backends.remote)
         self.client = self.backends.make_client(cache, block_size, engine)
         self._connect_worker()
+        self.conversations = Conversations(self, self.conversation_list)  # saved conversations (the sidebar)
+        self.compare = CompareController(self)  # Compare → Replay under…
         self.menus.check(cache or self.settings.cache_strategy, block_size or self.settings.block_size)
         self.backends.start()
         if engine is not None:
@@ -80,7 +84,9 @@ class MainWindow(QMainWindow):
         self.splitter = QSplitter(Qt.Orientation.Horizontal, self)
         self.splitter.addWidget(self.chat)
         self.splitter.addWidget(self.side)
-        self.splitter.setSizes([780, 660])
+        self.conversation_list = ConversationList(self)
+        self.splitter.insertWidget(0, self.conversation_list)
+        self.splitter.setSizes([210, 680, 550])
         self.splitter.setChildrenCollapsible(False)
         self.setCentralWidget(self.splitter)
         self.setMinimumSize(*MIN_SIZE)
@@ -193,6 +199,8 @@ class MainWindow(QMainWindow):
 
     # --- file, model and settings actions ------------------------------------------------------------------------
     def new_chat(self) -> None:
+        self.metrics.clear()  # a new chat starts with empty plots (the old one's are saved with it)
+        self.conversations.new_chat_started()
         self.chat.clear()
         self.chat.clear_error()
         self.metrics.new_conversation()

@@ -4,7 +4,12 @@ Format versions (`"format": "kvscope-conversation"`):
   1  system prompt, context start, and each message's role and text;
   2  the same, and each reply's figures — what its footer shows — under "reply": prompt and generated tokens,
      time to first token, tokens/s, prefix reused, strategy, why it ended ("cancelled" is the stopped tag) and
-     the speculative-decoding counts. Files of version 1 still open (their replies have no figures).
+     the speculative-decoding counts.
+  3  the same, and what the conversation list keeps: its "title", each reply's "footer" as shown (with the
+     weights and KV precision it ran under), each reply's generated "token_ids" (so a
+     Compare replays the exact tokens), the step log's rows ("steps", app.step_log's columns: the plots) and the
+     last Compare result ("compare", engine.replay_result's saved form). Every one of them is optional.
+Files of versions 1 and 2 still open (their replies have no figures, or no steps).
 A file that is not a kvscope conversation, or whose figures are malformed, raises StorageError with a message fit
 for the user; nothing else changes, so the caller can show the message and carry on.
 """
@@ -23,8 +28,10 @@ from engine.chat import Conversation, ConversationFormatError
 from engine.events import DoneEvent
 
 MAX_FILE_BYTES = 64 * 1024 * 1024
-VERSION = 2
-FINISH_REASONS = ("stop", "length", "cancelled")
+VERSION = 3
+VERSIONS = (1, 2, 3)
+MAX_TITLE = 200
+FINISH_REASONS = ("stop", "length", "cancelled", "budget")  # budget: the turn reached the KV budget
 # a reply's figures: the DoneEvent fields its footer shows, and their kinds (int counts, float figures)
 REPLY_FIELDS = {"n_prompt_tokens": int, "n_generated_tokens": int, "ttft_ms": float, "decode_tok_s": float,
                 "finish_reason": str, "strategy": str, "prefix_hit_tokens": int, "n_decode_steps": int,
@@ -39,6 +46,10 @@ class SavedChat:
 
     conversation: Conversation
     replies: list[dict | None] = field(default_factory=list)
+    title: str = ""
+    steps: list[tuple] = field(default_factory=list)  # the step log's rows (app.step_log.CSV_COLUMNS)
+    compare: dict | None = None  # a CompareResult's saved form
+    footers: list[str] = field(default_factory=list)  # per message, the footer as shown ("": none saved)
 
     def done_event(self, index: int) -> DoneEvent | None:
         """The saved reply as the DoneEvent its footer was made from (text: the message's)."""
@@ -55,13 +66,20 @@ class StorageError(ValueError):
     """A conversation could not be saved or opened; the message says why."""
 
 
-def save_conversation(path: str | Path, data: dict | Conversation, replies: list[dict | None] | None = None) -> None:
-    """Write the conversation (a Conversation or its to_dict()) with each reply's figures (replies[i] for
-    message i, from reply_record) in the current format, so the file is either old or new, never half."""
+def save_conversation(path: str | Path, data: dict | Conversation, replies: list[dict | None] | None = None,
+                      extras: dict | None = None) -> None:
+    """Write the conversation (a Conversation or its to_dict(), whose messages may carry "token_ids") with each
+    reply's figures (replies[i] for message i, from reply_record) and the extras (title, steps, compare) in the
+    current format, so the file is either old or new, never half."""
     path = Path(path)
     if isinstance(data, Conversation):
-        data = data.to_dict()
-    text = json.dumps(with_replies(data, replies or []), ensure_ascii=False, indent=2)
+        data = conversation_dict(data)
+    record = with_replies(data, replies or [], (extras or {}).get("footers") or [])
+    record.update({k: v for k, v in (extras or {}).items() if k in ("title", "steps", "compare") and v is not None})
+    try:
+        text = json.dumps(record, ensure_ascii=False, indent=2, allow_nan=False)
+    except ValueError as e:
+        raise StorageError(f"Could not save to {path}: {e}") from None
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as e:
@@ -78,12 +96,25 @@ def save_conversation(path: str | Path, data: dict | Conversation, replies: list
     _fsync_dir(path.parent)
 
 
-def with_replies(data: dict, replies: list[dict | None]) -> dict:
-    """The conversation dict in the current version, each assistant message with its reply's figures."""
+def conversation_dict(conv: Conversation) -> dict:
+    """to_dict() with each generated reply's token ids (what a Compare replays)."""
+    data = conv.to_dict()
+    for record, message in zip(data["messages"], conv.messages):
+        if message.token_ids:
+            record["token_ids"] = list(message.token_ids)
+    return data
+
+
+def with_replies(data: dict, replies: list[dict | None], footers: list[str] | None = None) -> dict:
+    """The conversation dict in the current version, each assistant message with its reply's figures (and the
+    footer as shown)."""
     messages = [dict(m) for m in data.get("messages", [])]
     for message, reply in zip(messages, replies):
         if reply is not None and message.get("role") == "assistant":
             message["reply"] = dict(reply)
+    for message, footer in zip(messages, footers or []):
+        if footer and message.get("role") == "assistant":
+            message["footer"] = footer
     return {**data, "version": VERSION, "messages": messages}
 
 
@@ -98,9 +129,63 @@ def open_chat(path: str | Path) -> SavedChat:
     data = _read_json(path)
     try:
         replies = _replies(data)
-        return SavedChat(Conversation.from_dict(_as_version_1(data)), replies)
+        conv = Conversation.from_dict(_as_version_1(data))
+        _apply_token_ids(conv, data["messages"])
+        return SavedChat(conv, replies, _title(data), _steps(data), _compare(data), _footers(data["messages"]))
     except ConversationFormatError as e:
         raise StorageError(f"{path.name} is not a kvscope conversation: {e}") from None
+
+
+def _apply_token_ids(conv: Conversation, messages: list) -> None:
+    for index, (message, record) in enumerate(zip(conv.messages, messages)):
+        ids = record.get("token_ids")
+        if ids is None:
+            continue
+        if message.role != "assistant" or not isinstance(ids, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**31 for i in ids):
+            raise ConversationFormatError(f"message {index}'s token_ids must be a list of token ids on a reply")
+        message.token_ids = tuple(ids)
+
+
+def _footers(messages: list) -> list[str]:
+    footers = [m.get("footer", "") for m in messages]
+    if not all(isinstance(f, str) for f in footers):
+        raise ConversationFormatError("a reply's footer must be a string")
+    return footers
+
+
+def _title(data: dict) -> str:
+    title = data.get("title", "")
+    if not isinstance(title, str):
+        raise ConversationFormatError("title must be a string")
+    return title[:MAX_TITLE]
+
+
+def _steps(data: dict) -> list[tuple]:
+    from app.step_log import SavedStep
+
+    steps = data.get("steps", [])
+    if not isinstance(steps, list):
+        raise ConversationFormatError("steps must be a list of step rows")
+    try:
+        for row in steps:
+            SavedStep.from_row(row)
+    except ValueError as e:
+        raise ConversationFormatError(f"its step log is malformed ({e})") from None
+    return [tuple(row) for row in steps]
+
+
+def _compare(data: dict) -> dict | None:
+    from engine.replay_result import CompareResult
+
+    compare = data.get("compare")
+    if compare is None:
+        return None
+    try:
+        CompareResult.from_dict(compare)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConversationFormatError(f"its Compare result is malformed ({e!r})") from None
+    return compare
 
 
 def _read_json(path: Path):
@@ -128,15 +213,17 @@ def _read_json(path: Path):
 
 
 def _as_version_1(data):
-    """Version 2 less the replies' figures is version 1, which engine.chat reads."""
-    if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("messages"), list):
+    """Versions 2 and 3 less the replies' figures and token ids are version 1, which engine.chat reads."""
+    if not isinstance(data, dict) or data.get("version") not in VERSIONS[1:] or not isinstance(data.get("messages"),
+                                                                                                 list):
         return data
-    messages = [{k: v for k, v in m.items() if k != "reply"} if isinstance(m, dict) else m for m in data["messages"]]
+    messages = [{k: v for k, v in m.items() if k not in ("reply", "token_ids", "footer")} if isinstance(m, dict) else m
+                for m in data["messages"]]
     return {**data, "version": 1, "messages": messages}
 
 
 def _replies(data) -> list[dict | None]:
-    if not isinstance(data, dict) or data.get("version") not in (1, VERSION):
+    if not isinstance(data, dict) or data.get("version") not in VERSIONS:
         return []  # Conversation.from_dict says what is wrong
     messages = data.get("messages") if isinstance(data.get("messages"), list) else []
     return [_reply(i, m.get("reply"), m.get("role")) if isinstance(m, dict) else None for i, m in enumerate(messages)]

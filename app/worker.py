@@ -11,6 +11,7 @@ from __future__ import annotations
 from PySide6.QtCore import QObject, Signal, Slot
 
 from app.model_info import ModelInfo
+from app.storage import conversation_dict
 from engine.chat import Conversation
 from engine.config import EngineConfig
 from engine.events import DoneEvent, StepEvent, TrimEvent
@@ -25,7 +26,9 @@ class WorkerSignals(QObject):
     finished = Signal(object)  # DoneEvent: the turn is over (also when cancelled)
     error = Signal(str)  # something failed; the engine and the conversation are as before
     stats = Signal(object)  # KVStats after a change made without generating
-    conversation = Signal(object)  # Conversation.to_dict() after every change (a plain dict, not a QVariantMap)
+    conversation = Signal(object)  # storage.conversation_dict() after every change (a plain dict, not a QVariantMap)
+    compare_step = Signal(object)  # app.compare_job.CompareStep: one replayed step of a Compare
+    compare_done = Signal(object)  # engine.replay_result.CompareResult: the Compare is over (also when stopped)
 
 
 class EngineWorker(QObject):
@@ -182,6 +185,15 @@ class EngineWorker(QObject):
             return False
         return True
 
+    @Slot(int, object)
+    def compare(self, request: int, configs) -> None:
+        """Replay the conversation's exact tokens under each ReplayConfig (app.compare_job); Stop ends it."""
+        from app.compare_job import CompareJob, run_compare
+
+        if not self._closing:
+            run_compare(CompareJob(self.signals, self.engine, self.conv, lambda: request <= self._cancel_upto,
+                                   self._model, self._progress), configs)
+
     @Slot(object)
     def new_conversation(self, system_prompt: str | None) -> None:
         self._replace_conversation(Conversation(system_prompt=system_prompt))
@@ -193,7 +205,7 @@ class EngineWorker(QObject):
     @Slot(object)
     def set_system_prompt(self, system_prompt: str | None) -> None:
         self.conv.system_prompt = system_prompt
-        self.signals.conversation.emit(self.conv.to_dict())
+        self.signals.conversation.emit(conversation_dict(self.conv))
 
     # --- internals --------------------------------------------------------------------------------------------------
     def _progress(self, message: str, fraction: float | None) -> None:
@@ -208,14 +220,14 @@ class EngineWorker(QObject):
     def _emit_state(self) -> None:
         if self.engine is not None:
             self.signals.stats.emit(self.engine.kv_stats(self.conv))
-        self.signals.conversation.emit(self.conv.to_dict())
+        self.signals.conversation.emit(conversation_dict(self.conv))
 
     def _run(self, request: int, events, snapshot: tuple | None = None) -> None:
         if self._closing:
             return
         if self.engine is None:
             self.signals.error.emit("No model is loaded yet: wait for loading to finish, or choose a model.")
-            self.signals.conversation.emit(self.conv.to_dict())
+            self.signals.conversation.emit(conversation_dict(self.conv))
             return
         try:
             for event in events():
@@ -226,7 +238,7 @@ class EngineWorker(QObject):
             if snapshot is not None:
                 self.conv.restore(snapshot)
             self.signals.error.emit(f"Generation failed: {e}")
-        self.signals.conversation.emit(self.conv.to_dict())
+        self.signals.conversation.emit(conversation_dict(self.conv))
 
     def _emit(self, event) -> None:
         if isinstance(event, StepEvent):

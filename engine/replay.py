@@ -181,4 +181,4 @@ def _event(engine, phase: str, pos: int, n_tokens: int, ms: float, hit: int, gre
 def with_engine_weights(config: ReplayConfig, engine) -> ReplayConfig:
     """The config with its weights and KV precision named (the engine's, where the config left them open)."""
     return replace(config, weights=config.weights or engine.weight_format,
-                   kv_dtype=config.kv_dtype or engine.config.kv_dtype or engine.kv_dtype_name)
+                   kv_dtype=config.kv_dtype or engine.kv_dtype_name)

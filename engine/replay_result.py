@@ -81,6 +81,7 @@ class Summary:
 class CompareResult:
     runs: list[ConfigRun] = field(default_factory=list)
     num_turns: int = 0
+    error: str = ""  # why the job could not start ("": it ran)
 
     def summaries(self) -> list[Summary]:
         reference = self.runs[0].greedy_by_position() if self.runs else {}

@@ -1,0 +1,294 @@
+"""The conversations sidebar: saved conversations newest first, a search box, New, Rename and Delete; and the
+controller that keeps the open conversation saved and opens another one with its chat, plots and figures.
+
+Saving is automatic: after every change the worker reports while no reply is streaming (a finished turn, a
+failed one put back, a system prompt), the open conversation is written to its file (app.conversation_store)
+with the reply footers' figures, the step log (the plots) and the last Compare result. A new chat gets its
+file with its first message.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from PySide6.QtCore import QSettings, Qt, Signal, Slot
+from PySide6.QtWidgets import (
+    QHBoxLayout,
+    QInputDialog,
+    QLineEdit,
+    QListWidget,
+    QListWidgetItem,
+    QMessageBox,
+    QPushButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app import storage
+from app.conversation_store import ConversationStore, Entry, default_folder
+from app.step_log import StepLog
+
+MIN_WIDTH = 180
+ID_ROLE = Qt.ItemDataRole.UserRole
+
+
+def folder_for(settings) -> Path:
+    """Beside an ini settings file (tests, portable setups), else in the user data directory."""
+    q = getattr(settings, "q", None)
+    if isinstance(q, QSettings) and q.format() == QSettings.Format.IniFormat:
+        return Path(q.fileName()).resolve().parent / "conversations"
+    return default_folder()
+
+
+def when(seconds: float) -> str:
+    """'14:05' today, '3 Dec' this year, '3 Dec 2025' before."""
+    then, now = time.localtime(seconds), time.localtime()
+    if then[:3] == now[:3]:
+        return time.strftime("%H:%M", then)
+    return time.strftime("%-d %b" if then.tm_year == now.tm_year else "%-d %b %Y", then)
+
+
+class ConversationList(QWidget):
+    """The sidebar widget. It only shows entries and asks; the Conversations controller does the work."""
+
+    open_requested = Signal(str)
+    new_requested = Signal()
+    rename_requested = Signal(str)
+    delete_requested = Signal(str)
+    search_changed = Signal(str)
+    conversation_reported = Signal(object)  # the worker's conversation dict, relayed (see relay)
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent, objectName="conversationList")
+        self.search = QLineEdit(self, placeholderText="Search conversations", clearButtonEnabled=True)
+        self.new_button = QPushButton("New chat", self, toolTip="Start a new conversation (Ctrl+N)")
+        self.list = QListWidget(self)
+        self.list.setWordWrap(True)
+        self.list.setTextElideMode(Qt.TextElideMode.ElideRight)
+        self.rename_button = QPushButton("Rename", self, toolTip="Rename the selected conversation (F2)")
+        self.delete_button = QPushButton("Delete", self, toolTip="Delete the selected conversation's file (Del)")
+        buttons = QHBoxLayout()
+        buttons.setContentsMargins(0, 0, 0, 0)
+        buttons.addWidget(self.rename_button)
+        buttons.addWidget(self.delete_button)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(6, 6, 6, 6)
+        for widget in (self.new_button, self.search, self.list):
+            layout.addWidget(widget)
+        layout.addLayout(buttons)
+        self.setMinimumWidth(MIN_WIDTH)
+        self.new_button.clicked.connect(self.new_requested)
+        self.search.textChanged.connect(self.search_changed)
+        self.list.itemActivated.connect(lambda item: self.open_requested.emit(item.data(ID_ROLE)))
+        self.list.itemClicked.connect(lambda item: self.open_requested.emit(item.data(ID_ROLE)))
+        self.list.currentItemChanged.connect(lambda *_: self._enable_buttons())
+        self.rename_button.clicked.connect(lambda: self._ask(self.rename_requested))
+        self.delete_button.clicked.connect(lambda: self._ask(self.delete_requested))
+        self._enable_buttons()
+
+    def keyPressEvent(self, event) -> None:  # noqa: N802 (Qt override)
+        if event.key() == Qt.Key.Key_F2:
+            self._ask(self.rename_requested)
+        elif event.key() == Qt.Key.Key_Delete and not self.search.hasFocus():
+            self._ask(self.delete_requested)
+        else:
+            super().keyPressEvent(event)
+
+    def set_entries(self, entries: list[Entry], current: str | None) -> None:
+        self.list.blockSignals(True)
+        self.list.clear()
+        for entry in entries:
+            detail = entry.error or f"{entry.num_messages} messages · {when(entry.updated)}"
+            item = QListWidgetItem(f"{entry.title}\n{detail}")
+            item.setData(ID_ROLE, entry.id)
+            item.setToolTip(entry.error or entry.title)
+            if entry.error:
+                item.setForeground(Qt.GlobalColor.gray)
+            self.list.addItem(item)
+            if entry.id == current:
+                self.list.setCurrentItem(item)
+        self.list.blockSignals(False)
+        self._enable_buttons()
+
+    @Slot(object)
+    def relay(self, data) -> None:
+        """The worker's report, received by this widget: the connection goes with it when the window closes."""
+        self.conversation_reported.emit(data)
+
+    def ids(self) -> list[str]:
+        return [self.list.item(i).data(ID_ROLE) for i in range(self.list.count())]
+
+    def selected_id(self) -> str | None:
+        item = self.list.currentItem()
+        return item.data(ID_ROLE) if item is not None else None
+
+    def _ask(self, signal) -> None:
+        chosen = self.selected_id()
+        if chosen is not None:
+            signal.emit(chosen)
+
+    def _enable_buttons(self) -> None:
+        chosen = self.list.currentItem() is not None
+        self.rename_button.setEnabled(chosen)
+        self.delete_button.setEnabled(chosen)
+
+
+class Conversations:
+    """Keeps the window's conversation saved, and switches between saved ones."""
+
+    def __init__(self, window, widget: ConversationList | None = None, store: ConversationStore | None = None):
+        self.window = window
+        self.store = store or ConversationStore(folder_for(window.settings))
+        self.current: str | None = None  # the open conversation's id (None: a new chat not saved yet)
+        self.title: str | None = None  # its title as saved or renamed (None: from its first message)
+        self.compare: dict | None = None  # its last Compare result, saved form
+        self._saved: tuple | None = None  # what was last saved or opened: the same again is not written
+        self.widget = widget or ConversationList(window)
+        w = self.widget
+        w.new_requested.connect(window.new_chat)
+        w.open_requested.connect(self.open)
+        w.rename_requested.connect(self.ask_rename)
+        w.delete_requested.connect(self.ask_delete)
+        w.search_changed.connect(lambda _text: self.refresh())
+        window.client.signals.conversation.connect(w.relay)
+        w.conversation_reported.connect(self._on_conversation)
+        self.refresh()
+
+    # --- what the window tells it ---------------------------------------------------------------------------------
+    def new_chat_started(self) -> None:
+        """The window started a new chat: the next save creates a new file."""
+        self.current, self.title, self.compare = None, None, None
+        self.refresh()
+
+    def set_compare(self, result: dict | None) -> None:
+        self.compare = result
+        self.save()
+
+    def _on_conversation(self, data: dict) -> None:
+        if not self.window.generating and data.get("messages"):
+            self.save(data)
+
+    # --- actions --------------------------------------------------------------------------------------------------
+    def save(self, data: dict | None = None) -> bool:
+        w = self.window
+        data = data if data is not None else w.snapshot
+        if not data.get("messages"):
+            return False
+        if self.current is None:
+            self.current = self.store.new_id()
+        n = len(data["messages"])
+        replies = [getattr(m, "reply", None) for m in w.chat.messages[:n]]
+        footers = [m.footer.text() if m.role == "assistant" else "" for m in w.chat.messages[:n]]
+        signature = (self.current, repr(data), repr(replies), self.title, len(w.metrics.log.rows), id(self.compare))
+        if signature == self._saved:
+            return True
+        try:
+            self.store.save(self.current, data, replies, self.title or "", w.metrics.log.rows, self.compare, footers)
+        except storage.StorageError as e:
+            w.chat.show_error(f"The conversation could not be saved: {e}")
+            return False
+        self._saved = signature
+        self.refresh()
+        return True
+
+    def open(self, conversation_id: str) -> bool:
+        w = self.window
+        if conversation_id == self.current:
+            return True
+        if w.generating or w.loading:
+            w.status.showMessage("Wait for the reply (or Stop it) before opening another conversation", 5000)
+            self.refresh()
+            return False
+        try:
+            saved = self.store.open(conversation_id)
+            log = StepLog.from_rows(saved.steps)
+        except (storage.StorageError, ValueError) as e:
+            w.chat.show_error(str(e))
+            self.refresh()
+            return False
+        self._show(saved, log)
+        self.current, self.title, self.compare = conversation_id, saved.title or None, saved.compare
+        self._saved = (conversation_id, repr(storage.conversation_dict(saved.conversation)), repr(saved.replies),
+                       self.title, len(w.metrics.log.rows), id(self.compare))
+        if hasattr(w, "compare"):
+            w.compare.show_saved(saved.compare)
+        self.refresh()
+        return True
+
+    def ask_rename(self, conversation_id: str) -> None:
+        entry = next((e for e in self.store.entries() if e.id == conversation_id), None)
+        title, ok = QInputDialog.getText(self.window, "Rename conversation", "Title:",
+                                         text=entry.title if entry else "")
+        if ok:
+            self.rename(conversation_id, title)
+
+    def rename(self, conversation_id: str, title: str) -> bool:
+        try:
+            self.store.rename(conversation_id, title)
+        except storage.StorageError as e:
+            self.window.chat.show_error(str(e))
+            return False
+        if conversation_id == self.current:
+            self.title = " ".join(title.split())
+        self.refresh()
+        return True
+
+    def ask_delete(self, conversation_id: str) -> None:
+        entry = next((e for e in self.store.entries() if e.id == conversation_id), None)
+        answer = QMessageBox.question(self.window, "Delete conversation",
+                                      f"Delete “{entry.title if entry else conversation_id}”? Its file is removed.")
+        if answer == QMessageBox.StandardButton.Yes:
+            self.delete(conversation_id)
+
+    def delete(self, conversation_id: str) -> bool:
+        if conversation_id == self.current and (self.window.generating or self.window.loading):
+            self.window.status.showMessage("Stop the reply before deleting this conversation", 5000)
+            return False
+        try:
+            self.store.delete(conversation_id)
+        except storage.StorageError as e:
+            self.window.chat.show_error(str(e))
+            return False
+        if conversation_id == self.current:
+            self.window.new_chat()  # the open conversation is gone: start afresh
+        self.refresh()
+        return True
+
+    def refresh(self) -> None:
+        self.widget.set_entries(self.store.entries(self.widget.search.text()), self.current)
+
+    # --- internals ------------------------------------------------------------------------------------------------
+    def _show(self, saved: storage.SavedChat, log: StepLog) -> None:
+        """The window shows the saved conversation: chat with footers, plots from its steps, its last figures."""
+        w = self.window
+        conv = saved.conversation
+        w.chat.set_messages([(m.role, m.content) for m in conv.messages])
+        last_done = None
+        for i, message in enumerate(w.chat.messages):
+            done = saved.done_event(i) if i < len(saved.replies) else None
+            if done is not None:
+                message.reply = saved.replies[i]
+                footer = saved.footers[i] if i < len(saved.footers) else ""
+                message.set_footer(footer or w.reply_footer(done))  # as shown: with its weights and precision
+                last_done = done
+        w.chat.clear_error()
+        w.metrics.clear()
+        w.metrics.new_conversation()
+        for row in log.rows:  # through the panel, so its curves, colours and legends are built as for live steps
+            w.metrics.log.set_configuration(row[-2], row[-1])
+            w.metrics.log.add(_saved_event(row))
+        if w.info is not None:
+            w.metrics.set_model_info(w.info)  # the live configuration keys the next steps again
+        if last_done is not None:
+            w.metrics.turn_finished(last_done)
+        w.metrics.refresh()
+        w.status.new_conversation()
+        w.client.open_conversation(conv)
+        w.status.showMessage(f"Opened “{saved.title or 'conversation'}”", 4000)
+
+
+def _saved_event(row):
+    from app.step_log import SavedStep
+
+    return SavedStep.from_row(row)
