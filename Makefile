@@ -32,9 +32,13 @@ lint: setup
 bench: setup
 	$(VENV)/bin/python main.py bench --out bench-out
 
-# Optional peers for the benchmarks (not needed by run or test): llama.cpp builds from source (~10 minutes).
+# Optional peers for the benchmarks (not needed by run or test), each built from source (~10-25 minutes on 2 cores):
+# llama.cpp's llama-server (bench serve) from the llama.cpp sources in the llama-cpp-python sdist, under .peers/
+# (native CPU detection off, instruction sets from /proc/cpuinfo; skipped when one is on PATH), and
+# llama-cpp-python itself (bench decode, prefill, step), with the same instruction-set options.
 peers: setup
-	$(VENV)/bin/python -m pip install -q llama-cpp-python
+	$(VENV)/bin/python -m engine.bench.llama_server build
+	CMAKE_ARGS="$$($(VENV)/bin/python -m engine.bench.llama_server flags)" $(VENV)/bin/python -m pip install -q llama-cpp-python
 
 clean:
 	rm -rf $(VENV)

@@ -94,6 +94,9 @@ def add_serve_parser(sub) -> None:
     add_kv_dtype_option(serve)
     serve.add_argument("--max-concurrency", type=int, default=16, help="requests in the running batch at most")
     serve.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health")
+    serve.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
+                       help="the largest request body accepted, in bytes; larger ones get a 413 (default: "
+                            "KVSCOPE_MAX_BODY_BYTES, else 4 MiB)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,24 @@ from engine.config import EngineConfig
 from engine.scheduler import Scheduler, SchedulerConfig
 
 
+def max_body_bytes(flag: int | None, environ, default: int) -> int:
+    """The request-body limit: --max-body-bytes, else KVSCOPE_MAX_BODY_BYTES, else the default; a positive
+    number of bytes, or a ValueError that says which setting is wrong."""
+    if flag is not None:
+        source, value = "--max-body-bytes", str(flag)
+    elif environ.get("KVSCOPE_MAX_BODY_BYTES"):
+        source, value = "KVSCOPE_MAX_BODY_BYTES", environ["KVSCOPE_MAX_BODY_BYTES"]
+    else:
+        return default
+    try:
+        limit = int(value.strip())
+    except ValueError:
+        limit = 0
+    if limit <= 0:
+        raise ValueError(f"{source} must be a positive number of bytes, not {value!r}")
+    return limit
+
+
 def run_serve(args) -> int:
     import uvicorn
 
@@ -16,6 +34,11 @@ def run_serve(args) -> int:
     from server.app import create_app
     from server.limits import DEFAULT_MAX_BODY_BYTES, JSONErrorH11Protocol
 
+    try:
+        max_body = max_body_bytes(getattr(args, "max_body_bytes", None), os.environ, DEFAULT_MAX_BODY_BYTES)
+    except ValueError as e:
+        print(f"kvscope serve: {e}", file=sys.stderr)
+        return 1  # before the model loads: a typo costs no wait
     try:
         weights = {"weights": args.weights} if getattr(args, "weights", None) else {}  # default: the engine's auto
         config = EngineConfig(cache=args.cache, block_size=args.block_size or 16, pool_tokens=args.pool_tokens,
@@ -28,12 +51,6 @@ def run_serve(args) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"kvscope serve: warning: listening on {args.host} without --api-key: anyone who can reach this "
               f"port can use the model", file=sys.stderr)
-    try:
-        max_body = int(os.environ.get("KVSCOPE_MAX_BODY_BYTES") or getattr(args, "max_body_bytes", None)
-                       or DEFAULT_MAX_BODY_BYTES)
-    except ValueError:
-        print("kvscope serve: KVSCOPE_MAX_BODY_BYTES must be a number of bytes", file=sys.stderr)
-        return 1
     app = create_app(scheduler, engine.model_name, args.api_key, max_body_bytes=max_body)
     scheduler.start()
     print(f"kvscope: serving {engine.model_name} ({engine.cache_strategy}, block size {engine.block_size}, "

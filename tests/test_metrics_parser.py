@@ -179,3 +179,30 @@ def test_a_url_that_is_not_a_server_url_is_a_clear_error():
             with pytest.raises(http.RemoteError, match="is not a server URL"):
                 http.list_models(client, url, None)
     assert http.base_url(" http://h:8000/v1/ ") == "http://h:8000"
+
+
+def test_llama_cpp_cached_prompt_tokens_are_its_prefix_cache_hits():
+    kv = server_kv("llamacpp:prompt_tokens_total 300\nllamacpp:prompt_tokens_cached_total 100\n")
+    assert (kv.prefix_hits, kv.prefix_queries, kv.prefix_hit_rate) == (100, 400, 0.25)
+    assert kv.prompt_tokens == 300  # the tokens it computed
+
+
+def test_context_and_token_figures_a_server_does_not_publish_read_unavailable_never_zero():
+    from app.backends.server_view import server_rows
+
+    def rows(text):
+        return {title: (value, detail) for title, value, detail in server_rows(server_kv(text))}
+
+    new = rows(LLAMA_CPP_NEW)  # no KV gauges: tokens held unavailable, the longest sequence published
+    assert new["Server context"] == ("unavailable", "longest sequence so far 42,094 tokens; tokens held: llama.cpp "
+                                     "does not publish it")
+    assert new["Server tokens"] == ("23,210 generated", "96,641 prompt tokens processed")
+    assert rows(LLAMA_CPP)["Server context"][0] == "1,024 tokens held"
+    vllm = rows(VLLM)
+    assert vllm["Server context"] == ("unavailable", "vLLM does not publish it")
+    gauges_only = rows("llamacpp:requests_processing 1\nllamacpp:requests_deferred 0\n")
+    assert gauges_only["Server tokens"] == ("unavailable", "llama.cpp does not publish it")
+    assert gauges_only["Server context"] == ("unavailable", "llama.cpp does not publish it")
+    generated_only = rows("llamacpp:tokens_predicted_total 5\n")
+    assert generated_only["Server tokens"] == ("5 generated", "prompt tokens: unavailable (llama.cpp does not "
+                                                               "publish it)")

@@ -66,6 +66,26 @@ def test_four_choices_of_a_block_aligned_prompt_hold_its_blocks_once(tiny_engine
     engine.cache.pool.check_invariants()
 
 
+def test_four_choices_count_the_prompts_kv_once_in_the_published_metrics(tiny_engine_factory):
+    from app.backends.metrics_parser import server_kv
+    from server.metrics import ServerMetrics
+
+    published = {}
+    for n in (1, 4):
+        engine = tiny_engine_factory(block_size=16)
+        sched, col = Scheduler(engine), Collector()
+        metrics = ServerMetrics(sched, "tiny")
+        ids = sched.submit_group(prompt(32), [greedy(3)] * n, col.sink)
+        sched.tick()  # prefilled once, every choice holding the prompt's 2 blocks
+        published[n] = server_kv(metrics.exposition().decode())
+        run(sched, ids, col)
+    one, four = published[1], published[4]
+    assert four.blocks_used == one.blocks_used == 2
+    assert four.bytes_used == one.bytes_used > 0
+    assert four.bytes_theoretical == 4 * one.bytes_theoretical  # the formula counts every choice's tokens: held once
+    assert four.prompt_tokens == one.prompt_tokens == 32
+
+
 def test_an_unaligned_prompt_shares_its_full_blocks_and_copies_only_the_last_partial_one(tiny_engine_factory):
     engine = tiny_engine_factory(block_size=16)
     sched, col = Scheduler(engine), Collector()

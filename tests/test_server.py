@@ -246,8 +246,8 @@ def test_metrics_publish_vllm_style_names_and_the_pool(server):
 def test_serve_limits_the_body_and_answers_unparsable_http_in_json(model_dir):
     import socket
 
-    server = ServerProcess(["--model", str(model_dir)])
-    server.env["KVSCOPE_MAX_BODY_BYTES"] = "10000"
+    server = ServerProcess(["--model", str(model_dir), "--max-body-bytes", "10000"])
+    server.env["KVSCOPE_MAX_BODY_BYTES"] = "999999"  # the flag wins over the environment
     with server:
         big = {"model": MODEL, "messages": ask("hi"), "user": "x" * 20_000}
         assert_error(post(server, big), 413, "request_too_large")

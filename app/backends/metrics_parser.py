@@ -8,8 +8,11 @@ Names read (summed over label sets, e.g. several models or engines):
 - vLLM:     vllm:kv_cache_usage_perc (older releases: vllm:gpu_cache_usage_perc), vllm:num_requests_running /
             waiting, vllm:prefix_cache_queries_total / hits_total (older: vllm:gpu_prefix_cache_queries/hits),
             vllm:prompt_tokens_total, vllm:generation_tokens_total;
-- llama.cpp: llamacpp:kv_cache_usage_ratio, llamacpp:kv_cache_tokens, llamacpp:requests_processing /
-            requests_deferred, llamacpp:prompt_tokens_total, llamacpp:tokens_predicted_total.
+- llama.cpp: llamacpp:kv_cache_usage_ratio, llamacpp:kv_cache_tokens (older builds), llamacpp:requests_processing /
+            requests_deferred, llamacpp:prompt_tokens_total (tokens it computed: cached ones excluded),
+            llamacpp:prompt_tokens_cached_total (prompt tokens reused from its cache: the prefix-cache hits, of
+            computed + cached queried), llamacpp:tokens_predicted_total, llamacpp:n_tokens_max (the longest
+            sequence it has held, prompt + generation).
 """
 
 from __future__ import annotations
@@ -30,11 +33,13 @@ NAMES: dict[str, tuple[str, ...]] = {
     "prefix_queries": ("kvscope:prefix_cache_queries_total", "vllm:prefix_cache_queries_total",
                        "vllm:gpu_prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries"),
     "prefix_hits": ("kvscope:prefix_cache_hits_total", "vllm:prefix_cache_hits_total",
-                    "vllm:gpu_prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits"),
+                    "vllm:gpu_prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits",
+                    "llamacpp:prompt_tokens_cached_total"),
     "prompt_tokens": ("kvscope:prompt_tokens_total", "vllm:prompt_tokens_total", "llamacpp:prompt_tokens_total"),
     "generation_tokens": ("kvscope:generation_tokens_total", "vllm:generation_tokens_total",
                           "llamacpp:tokens_predicted_total"),
     "kv_tokens": ("llamacpp:kv_cache_tokens",),
+    "longest_sequence": ("llamacpp:n_tokens_max",),
     "blocks_total": ("kvscope:kv_blocks_total",),
     "blocks_used": ("kvscope:kv_blocks_used",),
     "blocks_free": ("kvscope:kv_blocks_free",),
@@ -65,7 +70,8 @@ class ServerKV:
     prefix_hits: float | None = None
     prompt_tokens: float | None = None
     generation_tokens: float | None = None
-    kv_tokens: float | None = None
+    kv_tokens: float | None = None  # tokens the KV cache holds now
+    longest_sequence: float | None = None  # the longest sequence (prompt + generation) the server has held
     blocks_total: float | None = None
     blocks_used: float | None = None
     blocks_free: float | None = None
@@ -117,5 +123,7 @@ def server_kv(text: str) -> ServerKV:
         if name in totals:
             totals[name] /= counts[name]
     fields = {field: next((totals[n] for n in names if n in totals), None) for field, names in NAMES.items()}
+    if "llamacpp:prompt_tokens_cached_total" in totals:  # llama.cpp counts computed and reused prompt tokens apart
+        fields["prefix_queries"] = totals.get("llamacpp:prompt_tokens_total", 0.0) + fields["prefix_hits"]
     flavour = next((label for prefix, label in FLAVOURS if any(n.startswith(prefix) for n in totals)), None)
     return ServerKV(flavour, **fields)

@@ -42,10 +42,34 @@ def server_rows(kv: ServerKV | None, model: str = "", url: str = "") -> list[tup
     theoretical = f", theoretical {human_bytes(kv.bytes_theoretical)}" if kv.bytes_theoretical is not None else ""
     rows.append(("Server KV memory", human_bytes(kv.bytes_allocated) if memory else UNAVAILABLE,
                  f"used {human_bytes(kv.bytes_used)}{theoretical}" if memory else not_published))
-    if _known(kv.prompt_tokens, kv.generation_tokens):
-        rows.append(("Server tokens", f"{kv.generation_tokens:,.0f} generated",
-                     f"{kv.prompt_tokens:,.0f} prompt tokens processed"))
+    rows.append(_context_row(kv, not_published))
+    rows.append(_tokens_row(kv, not_published))
     return rows
+
+
+def _context_row(kv: ServerKV, not_published: str) -> tuple[str, str, str]:
+    """The tokens the server's KV cache holds, and the longest sequence it has held: each unavailable unless
+    published (llama.cpp's recent builds publish only the longest)."""
+    held = f"{kv.kv_tokens:,.0f} tokens held" if kv.kv_tokens is not None else UNAVAILABLE
+    longest = (f"longest sequence so far {kv.longest_sequence:,.0f} tokens" if kv.longest_sequence is not None
+               else f"longest sequence: {UNAVAILABLE}")
+    if kv.kv_tokens is None and kv.longest_sequence is None:
+        longest = not_published
+    elif kv.kv_tokens is None:
+        longest += f"; tokens held: {not_published}"
+    return ("Server context", held, longest)
+
+
+def _tokens_row(kv: ServerKV, not_published: str) -> tuple[str, str, str]:
+    """Generated and prompt tokens, each shown only as what the server publishes (never a made-up 0)."""
+    generated = f"{kv.generation_tokens:,.0f} generated" if kv.generation_tokens is not None else UNAVAILABLE
+    if kv.prompt_tokens is not None:
+        prompt = f"{kv.prompt_tokens:,.0f} prompt tokens processed"
+    else:
+        prompt = f"prompt tokens: {UNAVAILABLE} ({not_published})"
+    if kv.generation_tokens is None and kv.prompt_tokens is None:
+        prompt = not_published
+    return ("Server tokens", generated, prompt)
 
 
 def status_text(kv: ServerKV | None) -> str:

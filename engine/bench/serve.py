@@ -1,8 +1,14 @@
-"""serve: `main.py serve` under load over loopback, and how many concurrent requests fit the pool.
+"""serve: `main.py serve` under load over loopback, against llama.cpp's `llama-server` when present, and how many
+concurrent requests fit the pool.
 
-1. Aggregate tokens/s and inter-token latency (p50, p99) of 1, 4 and 16 concurrent streaming clients against one
-   server with continuous batching, against the same requests sent one at a time.
-2. Concurrent requests that fit one KV budget: paged (measured: the scheduler's peak running batch over a real
+1. The same story prompts at 1, 4, 8 and 16 concurrent streaming clients (temperature 0), all at once
+   ("batched") and one after another ("one at a time"), alternating the servers at every step: aggregate
+   tokens/s, TTFT and inter-token latency (p50, p99), and greedy equality of each concurrent stream with the same
+   request run alone, for both servers. llama-server (engine.bench.llama_server) runs on the same GGUF with the
+   same threads, --parallel 16, a KV of one context and --metrics, loopback only; it is trusted only after one
+   batch evaluation, and reported absent (with why) otherwise.
+2. The engine's own decode step, in this process, for the one-client target (the serving path's cost per token).
+3. Concurrent requests that fit one KV budget: paged (measured: the scheduler's peak running batch over a real
    run) against contiguous (the budget over one reservation, which is a whole context per sequence).
 """
 
@@ -11,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import statistics
 import time
 
 import numpy as np
@@ -21,8 +28,11 @@ from engine.chat import Message, prompt_ids
 from engine.config import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 
-CLIENTS = (1, 4, 16)
+CLIENTS = (1, 4, 8, 16)
+MODES = ("batched", "one at a time")
+KVSCOPE, LLAMA_SERVER = "kvscope", "llama-server"
 MAX_TOKENS, QUICK_MAX_TOKENS = 64, 24
+STEP_SAMPLES, QUICK_STEP_SAMPLES = 32, 12
 FIT_REQUESTS, FIT_PROMPT_TOKENS, FIT_NEW_TOKENS = 96, 100, 16
 TOPICS = ("a lighthouse keeper", "a lost robot", "the first bakery on Mars", "a dragon who feared heights",
           "an old clockmaker", "a river that flowed uphill", "a chess-playing cat", "a city under the sea",
@@ -30,39 +40,79 @@ TOPICS = ("a lighthouse keeper", "a lost robot", "the first bakery on Mars", "a 
           "a detective ant", "a moonlit orchestra", "a map that redrew itself", "a kite that would not land")
 
 METHOD = (
-    "The server (`main.py serve`, paged cache, block 16, max concurrency 16) runs in a child process with the same "
-    "torch thread count as the benchmark; clients stream over loopback with httpx (temperature 0, `max_tokens` "
-    "{max_tokens}, one story prompt per client). Batched: all clients at once. One at a time: the same requests "
-    "sent one after another. Aggregate tok/s = completion tokens (from the usage chunk) / wall time from the first "
-    "request to the last token; inter-token latency = gaps between content chunks as the client received them "
-    "(first token excluded). Pool fit: {fit_requests} requests of ~{fit_prompt} prompt tokens and {fit_new} new "
-    "tokens submitted at once to the scheduler in this process, with a KV budget of one context; paged = the "
-    "largest running batch seen; contiguous = budget / one reservation (it reserves a whole context per "
-    "sequence)."
+    "The servers run in child processes with the benchmark's thread count: `main.py serve` (paged cache, block "
+    "16, max concurrency 16, the engine's weights {weights} and KV {kv_dtype}) and, when present, llama.cpp's "
+    "`llama-server` on the same GGUF (`{peer_args}`). Clients stream over loopback with httpx (temperature 0, "
+    "`max_tokens` {max_tokens}, one story prompt per client, the same prompts for both servers). Batched: all "
+    "clients at once. One at a time: the same requests sent one after another; their texts are the greedy "
+    "reference (each batched stream must equal its request run alone on the same server). At every (clients, "
+    "mode) the servers alternate, the first one swapping with each client count. Aggregate tok/s = completion "
+    "tokens (from the usage chunk) / wall time from the first request to the last token; inter-token latency = "
+    "gaps between content chunks as the client received them (first token excluded); TTFT = request sent to the "
+    "first content chunk. Engine step = median of {step_samples} single-token decode forwards of the engine in "
+    "this process (paged, one sequence at the prompt's length plus half a reply). Pool fit: {fit_requests} "
+    "requests of ~{fit_prompt} prompt tokens and {fit_new} new tokens submitted at once to the scheduler in this "
+    "process, with a KV budget of one context; paged = the largest running batch seen; contiguous = budget / one "
+    "reservation (it reserves a whole context per sequence)."
 )
 
 
 def run(ctx: BenchContext, quick: bool) -> dict:
-    max_tokens = QUICK_MAX_TOKENS if quick else MAX_TOKENS
-    from server.process import ServerProcess  # the benchmark drives the server as any client would
+    from engine.bench import llama_server
+    from server.process import ServerProcess  # the benchmark drives the servers as any client would
 
-    args = ["--max-concurrency", "16", *(["--model", str(ctx.model_arg)] if ctx.model_arg else []),
-            *(["--weights", weights] if (weights := getattr(ctx.engine.config, "weights", None)) else [])]
+    max_tokens = QUICK_MAX_TOKENS if quick else MAX_TOKENS
+    engine = ctx.engine
     threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or __import__("torch").get_num_threads()
+    step = engine_step_ms(ctx, max_tokens, QUICK_STEP_SAMPLES if quick else STEP_SAMPLES)
+    args = ["--max-concurrency", str(max(CLIENTS)), "--weights", engine.weight_format,
+            "--kv-dtype", engine.kv_dtype_name, *(["--model", str(ctx.model_arg)] if ctx.model_arg else [])]
     status(f"starting main.py serve ({threads} torch thread(s))")
     with ServerProcess(args, threads=threads) as server:
-        model = _model_id(server.url)
-        asyncio.run(_clients(server.url, model, 1, 4, together=True))  # warm-up, not counted
-        streams = {}
-        for n in CLIENTS:
-            for mode in ("batched", "one at a time"):
-                status(f"serve: {n} client(s), {mode}")
-                streams[f"{mode}/{n}"] = asyncio.run(_clients(server.url, model, n, max_tokens, mode == "batched"))
+        status("starting llama-server, if present")
+        peer, peer_status = llama_server.start_peer(ctx.gguf_path, threads, parallel=max(CLIENTS),
+                                                    context=engine.max_context)
+        status(f"llama-server: {peer_status}")
+        try:
+            urls = {KVSCOPE: server.url, **({LLAMA_SERVER: peer.url} if peer else {})}
+            raw = measure(urls, max_tokens)
+        finally:
+            if peer is not None:
+                peer.stop()
+    peer_args = peer.config.describe() if peer else "absent"
     status("serve: concurrent requests that fit one KV budget, paged vs contiguous")
-    return {"method": METHOD.format(max_tokens=max_tokens, fit_requests=FIT_REQUESTS, fit_prompt=FIT_PROMPT_TOKENS,
-                                    fit_new=FIT_NEW_TOKENS),
+    return {"method": METHOD.format(max_tokens=max_tokens, weights=engine.weight_format, kv_dtype=engine.kv_dtype_name,
+                                    peer_args=peer_args, step_samples=len(step), fit_requests=FIT_REQUESTS,
+                                    fit_prompt=FIT_PROMPT_TOKENS, fit_new=FIT_NEW_TOKENS),
             "clients": list(CLIENTS), "max_tokens": max_tokens, "threads": threads,
-            "streams": {k: _summary(v) for k, v in streams.items()}, "pool_fit": pool_fit(ctx)}
+            "engine_step_ms": statistics.median(step), "engine_step_samples_ms": step,
+            **stream_results(raw, peer_status, peer_args), "pool_fit": pool_fit(ctx)}
+
+
+def stream_results(raw: dict[str, dict], peer_status: str, peer_args: str) -> dict:
+    """The results' streams (kvscope's), greedy equality, and the peer's (empty streams when it was absent)."""
+    theirs = raw.get(LLAMA_SERVER, {})
+    return {"streams": {k: _summary(v) for k, v in raw[KVSCOPE].items()}, "greedy": greedy_equality(raw[KVSCOPE]),
+            "peer": {"name": LLAMA_SERVER, "status": peer_status, "args": peer_args,
+                     "streams": {k: _summary(v) for k, v in theirs.items()},
+                     "greedy": greedy_equality(theirs) if theirs else {}}}
+
+
+def measure(urls: dict[str, str], max_tokens: int) -> dict[str, dict[str, dict]]:
+    """{server: {"<mode>/<clients>": raw streams}}: every (clients, mode) on each server in turn, the first server
+    swapping with each client count so that neither always runs after the other."""
+    models = {name: _model_id(url) for name, url in urls.items()}
+    for name, url in urls.items():  # warm-up, not counted
+        asyncio.run(_clients(url, models[name], 1, 4, together=True))
+    raw: dict[str, dict] = {name: {} for name in urls}
+    for i, n in enumerate(CLIENTS):
+        order = list(urls) if i % 2 == 0 else list(reversed(urls))
+        for mode in MODES:
+            for name in order:
+                status(f"serve: {name}, {n} client(s), {mode}")
+                raw[name][f"{mode}/{n}"] = asyncio.run(_clients(urls[name], models[name], n, max_tokens,
+                                                                mode == "batched"))
+    return raw
 
 
 def _model_id(url: str) -> str:
@@ -83,13 +133,14 @@ async def _clients(url: str, model: str, n: int, max_tokens: int, together: bool
             results = [await job for job in jobs]
         wall = time.perf_counter() - start
     return {"wall_s": wall, "tokens": sum(r["tokens"] for r in results),
-            "gaps_ms": [g for r in results for g in r["gaps_ms"]], "ttft_ms": [r["ttft_ms"] for r in results]}
+            "gaps_ms": [g for r in results for g in r["gaps_ms"]], "ttft_ms": [r["ttft_ms"] for r in results],
+            "texts": [r["text"] for r in results]}
 
 
 async def _stream(client, model: str, topic: str, max_tokens: int) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": f"Write a long story about {topic}."}],
             "max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    sent, arrivals, tokens = time.perf_counter(), [], 0
+    sent, arrivals, tokens, parts = time.perf_counter(), [], 0, []
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
@@ -98,10 +149,13 @@ async def _stream(client, model: str, topic: str, max_tokens: int) -> dict:
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-            if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or ()):
+            content = "".join((c.get("delta") or {}).get("content") or "" for c in chunk.get("choices") or ())
+            if content:
                 arrivals.append(time.perf_counter())
+                parts.append(content)
     gaps = np.diff(arrivals) * 1000 if len(arrivals) > 1 else np.empty(0)
-    return {"tokens": tokens, "gaps_ms": gaps.tolist(), "ttft_ms": (arrivals[0] - sent) * 1000 if arrivals else None}
+    return {"tokens": tokens, "gaps_ms": gaps.tolist(), "text": "".join(parts),
+            "ttft_ms": (arrivals[0] - sent) * 1000 if arrivals else None}
 
 
 def _summary(s: dict) -> dict:
@@ -109,7 +163,43 @@ def _summary(s: dict) -> dict:
     ttft = [t for t in s["ttft_ms"] if t is not None]
     return {"tok_s": s["tokens"] / s["wall_s"], "tokens": s["tokens"], "wall_s": s["wall_s"],
             "itl_p50_ms": float(np.nanpercentile(gaps, 50)), "itl_p99_ms": float(np.nanpercentile(gaps, 99)),
-            "ttft_median_ms": float(np.median(ttft)) if ttft else None}
+            "ttft_median_ms": float(np.median(ttft)) if ttft else None,
+            "ttft_p99_ms": float(np.percentile(ttft, 99)) if ttft else None}
+
+
+def greedy_equality(raw: dict[str, dict]) -> dict[str, dict]:
+    """{clients: {"equal", "total", "differ"}}: each batched stream against the same request run alone on the same
+    server (temperature 0, so they must be the same text); differ lists (stream, first differing character)."""
+    out = {}
+    for n in CLIENTS:
+        batched, alone = raw.get(f"batched/{n}"), raw.get(f"one at a time/{n}")
+        if batched is None or alone is None:
+            continue
+        differ = [[i, _first_difference(a, b)] for i, (a, b) in enumerate(zip(batched["texts"], alone["texts"]))
+                  if a != b]
+        out[str(n)] = {"equal": len(batched["texts"]) - len(differ), "total": len(batched["texts"]),
+                       "differ": differ}
+    return out
+
+
+def _first_difference(a: str, b: str) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+# ---- the engine's own step, in process
+def engine_step_ms(ctx: BenchContext, max_tokens: int, samples: int) -> list[float]:
+    """Single-token decode forwards (ms) of the engine, paged, one sequence at a 1-client request's context: the
+    first topic's chat prompt plus half a reply."""
+    from engine.bench.peers import EnginePeer
+
+    engine = ctx.engine
+    prompt = prompt_ids(engine.tokenizer, None, [Message("user", f"Write a long story about {TOPICS[0]}.")])
+    context = len(prompt) + max_tokens // 2
+    filler = ctx.text_ids()
+    ids = (prompt + filler * (1 + (context + samples) // max(len(filler), 1)))[:context + samples]
+    status(f"serve: the engine's own decode step at {context} tokens ({samples} samples)")
+    peer = EnginePeer(engine, "paged", pool_tokens=max(1024, context + samples + 16))
+    return peer.decode_ms(ids, [context], samples)[context]
 
 
 # ---- pool fit, in process
@@ -145,55 +235,62 @@ def _fit_prompt(engine, i: int) -> list[int]:
 
 
 # ---- report
-def _ratio(r: dict, a: str, b: str, key: str = "tok_s") -> float | None:
-    x, y = r["streams"].get(a, {}).get(key), r["streams"].get(b, {}).get(key)
-    return x / y if x and y else None
-
-
-def targets(r: dict) -> list[tuple[str, float | None, str, bool | None]]:
-    """(name, measured, goal, passed) for the issue's two targets."""
-    scale = _ratio(r, "batched/16", "batched/1")
-    single_median = r["streams"]["batched/1"]["itl_p50_ms"]
-    p99_4 = r["streams"]["batched/4"]["itl_p99_ms"]
-    tail = p99_4 / single_median if single_median else None
-    return [("aggregate tok/s, 16 streams / 1 stream", scale, ">= 4x", None if scale is None else scale >= 4),
-            ("p99 inter-token latency with 4 clients / single-client median", tail, "<= 2x",
-             None if tail is None else tail <= 2)]
+def _row(n: int, server: str, streams: dict, greedy: dict) -> list:
+    b, s = streams[f"batched/{n}"], streams[f"one at a time/{n}"]
+    g = greedy.get(str(n))
+    return [n, server, b["tok_s"], s["tok_s"], b["tok_s"] / s["tok_s"] if s["tok_s"] else None, b["ttft_median_ms"],
+            b["itl_p50_ms"], b["itl_p99_ms"], s["itl_p50_ms"], s["itl_p99_ms"],
+            f"{g['equal']} / {g['total']}" if g else "-"]
 
 
 def summarize(r: dict) -> str:
+    from engine.bench.targets import serve_targets
+
+    peer = r.get("peer") or {}
     rows = []
     for n in r["clients"]:
-        b, s = r["streams"][f"batched/{n}"], r["streams"][f"one at a time/{n}"]
-        rows.append([n, b["tok_s"], s["tok_s"], b["tok_s"] / s["tok_s"], b["itl_p50_ms"], b["itl_p99_ms"],
-                     s["itl_p50_ms"], s["itl_p99_ms"], b["ttft_median_ms"]])
-    headers = ["clients", "batched tok/s", "one-at-a-time tok/s", "batched / one-at-a-time", "batched ITL p50 ms",
-               "batched ITL p99 ms", "one-at-a-time ITL p50 ms", "one-at-a-time ITL p99 ms", "batched TTFT median ms"]
+        rows.append(_row(n, KVSCOPE, r["streams"], r.get("greedy") or {}))
+        if peer.get("streams"):
+            rows.append(_row(n, LLAMA_SERVER, peer["streams"], peer.get("greedy") or {}))
+    headers = ["clients", "server", "batched tok/s", "one-at-a-time tok/s", "batched / one-at-a-time",
+               "batched TTFT median ms", "batched ITL p50 ms", "batched ITL p99 ms", "one-at-a-time ITL p50 ms",
+               "one-at-a-time ITL p99 ms", "batched streams = alone (greedy)"]
     fit = r["pool_fit"]
     fit_rows = [["paged (block 16)", fit["paged"], f"{fit['paged_preemptions']} preemptions, {fit['paged_errors']} "
                  "errors"], ["contiguous", fit["contiguous"], f"{fit['contiguous_reservation_bytes'] / 2**20:.0f} MiB "
                              "reserved per sequence"]]
-    target_rows = [[name, report.fmt(m), goal, "n/a" if ok is None else ("PASS" if ok else "MISS")]
-                   for name, m, goal, ok in targets(r)]
+    target_rows = [[t.name.removeprefix("serve: "), t.goal, report.fmt(t.measured) if "%" not in t.goal
+                    else report.pct(t.measured), t.verdict, t.why] for t in serve_targets(r)]
     return report.section(
-        "serve: continuous batching over loopback", r["method"], report.md_table(headers, rows),
+        "serve: continuous batching over loopback, against llama-server", r["method"],
+        f"llama-server: {peer.get('status', 'not run')}.",
+        report.md_table(headers, rows),
+        f"The engine's own decode step (in process, one sequence): median {report.fmt(r.get('engine_step_ms'))} ms.",
         f"Concurrent requests that fit a KV budget of {fit['budget_tokens']:,} tokens "
         f"({fit['budget_bytes'] / 2**20:.0f} MiB), {fit['requests']} submitted:",
         report.md_table(["strategy", "concurrent requests", "note"], fit_rows),
-        report.md_table(["target", "measured", "goal", "verdict"], target_rows))
+        report.md_table(["target", "goal", "measured", "verdict", "why"], target_rows))
 
 
 def plot(r: dict, path) -> None:
     fig, (left, right) = report.figure(2, width=6)
     clients = r["clients"]
-    for mode in ("batched", "one at a time"):
-        series = [r["streams"][f"{mode}/{n}"] for n in clients]
-        report.line(left, mode, clients, [s["tok_s"] for s in series])
-        color = report.color(mode)  # one colour per mode: p50 solid, p99 dashed
-        right.plot(clients, [s["itl_p50_ms"] for s in series], "o-", color=color, ms=4, label=f"{mode} p50")
-        right.plot(clients, [s["itl_p99_ms"] for s in series], "x--", color=color, ms=5, label=f"{mode} p99")
+    servers = {KVSCOPE: r["streams"], **({LLAMA_SERVER: r["peer"]["streams"]} if (r.get("peer") or {}).get("streams")
+                                        else {})}
+    for server, streams in servers.items():
+        for mode in MODES:
+            name = f"{server}, {mode}"
+            series = [streams[f"{mode}/{n}"] for n in clients]
+            dashed = {"fmt": "s--"} if mode != "batched" else {}
+            report.line(left, name, clients, [s["tok_s"] for s in series], **dashed)
+            if mode == "batched":  # inter-token latency of the batched runs: p50 solid, p99 dashed
+                color = report.color(name)
+                right.plot(clients, [s["itl_p50_ms"] for s in series], "o-", color=color, ms=4, label=f"{server} p50")
+                right.plot(clients, [s["itl_p99_ms"] for s in series], "x--", color=color, ms=5,
+                           label=f"{server} p99")
     left.set(title="aggregate throughput", xlabel="concurrent streaming clients", ylabel="tokens / s", xscale="log")
-    right.set(title="inter-token latency", xlabel="concurrent streaming clients", ylabel="ms", xscale="log")
+    right.set(title="inter-token latency (batched)", xlabel="concurrent streaming clients", ylabel="ms",
+              xscale="log")
     for ax in (left, right):
         ax.set_xticks(clients, [str(n) for n in clients])
         ax.minorticks_off()

@@ -165,8 +165,51 @@ def step_targets(r: dict) -> list[Target]:
     return out
 
 
+# ---- serve (issue 19: against llama-server, the serving path's cost, greedy equality)
+SERVE_PEER_CLIENTS = (1, 4, 16)
+
+
+def serve_targets(r: dict) -> list[Target]:
+    streams, peer = r.get("streams", {}), r.get("peer") or {}
+    theirs = peer.get("streams") or {}
+    absent = f"llama-server {peer.get('status', 'absent: not run')}" if not theirs else ""
+    one, sixteen, four = (streams.get(f"batched/{n}", {}) for n in (1, 16, 4))
+    out = [_check("serve: aggregate tok/s, 16 streams / 1 stream", _div(sixteen.get("tok_s"), one.get("tok_s")),
+                  ">=", 4.0, "x", f"{fmt(sixteen.get('tok_s'))} vs {fmt(one.get('tok_s'))} tokens/s"),
+           _check("serve: p99 inter-token latency with 4 clients / single-client median",
+                  _div(four.get("itl_p99_ms"), one.get("itl_p50_ms")), "<=", 2.0, "x",
+                  f"{fmt(four.get('itl_p99_ms'))} ms vs {fmt(one.get('itl_p50_ms'))} ms")]
+    for n in SERVE_PEER_CLIENTS:
+        ours, peers = streams.get(f"batched/{n}", {}), theirs.get(f"batched/{n}", {})
+        out.append(_check(f"serve: aggregate tok/s vs llama-server, {n} client(s)",
+                          _div(ours.get("tok_s"), peers.get("tok_s")), ">=", 1.0, "x",
+                          absent or f"{fmt(ours.get('tok_s'))} vs {fmt(peers.get('tok_s'))} tokens/s"))
+    for n in SERVE_PEER_CLIENTS:
+        ours, peers = streams.get(f"batched/{n}", {}), theirs.get(f"batched/{n}", {})
+        out.append(_check(f"serve: p99 inter-token latency vs llama-server, {n} client(s) (kvscope / llama-server)",
+                          _div(ours.get("itl_p99_ms"), peers.get("itl_p99_ms")), "<=", 1.0, "x",
+                          absent or f"{fmt(ours.get('itl_p99_ms'))} vs {fmt(peers.get('itl_p99_ms'))} ms"))
+    step = r.get("engine_step_ms")
+    out.append(_check("serve: one client's inter-token p50 / the engine's own decode step",
+                      _div(one.get("itl_p50_ms"), step), "<=", 1.1, "x",
+                      f"{fmt(one.get('itl_p50_ms'))} ms between tokens vs a {fmt(step)} ms step in process: the rest "
+                      "is the serving path (scheduler, detokenizing, HTTP, the client)"))
+    equal, total = _greedy_counts(r.get("greedy") or {})
+    peer_equal, peer_total = _greedy_counts(peer.get("greedy") or {})
+    out.append(_check("serve: concurrent greedy streams equal to the same request alone", _div(equal, total), ">=",
+                      1.0, "", f"kvscope {equal} of {total} streams at 4-16 clients; llama-server "
+                      + (f"{peer_equal} of {peer_total}" if peer_total else "not run"), pct_units=True))
+    return out
+
+
+def _greedy_counts(greedy: dict) -> tuple[int, int]:
+    """Equal streams and all streams over the concurrent runs (more than one client)."""
+    runs = [g for n, g in greedy.items() if int(n) > 1]
+    return sum(g["equal"] for g in runs), sum(g["total"] for g in runs)
+
+
 EVALUATORS: dict[str, Callable[[dict], list[Target]]] = {
-    "step": step_targets,
+    "step": step_targets, "serve": serve_targets,
     "decode": decode_targets, "prefill": prefill_targets, "turns": turns_targets, "concurrency": concurrency_targets,
 }
 

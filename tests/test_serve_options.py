@@ -1,0 +1,34 @@
+"""`main.py serve --max-body-bytes N`: the flag, else KVSCOPE_MAX_BODY_BYTES, else 4 MiB; a bad value is a clear
+error before the model loads. (The limit itself, 413 JSON, over real HTTP: tests/test_server.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from server.limits import DEFAULT_MAX_BODY_BYTES
+from server.run import max_body_bytes
+
+
+def test_the_flag_wins_over_the_environment_which_wins_over_the_default():
+    env = {"KVSCOPE_MAX_BODY_BYTES": "5000"}
+    assert max_body_bytes(1234, env, DEFAULT_MAX_BODY_BYTES) == 1234
+    assert max_body_bytes(None, env, DEFAULT_MAX_BODY_BYTES) == 5000
+    assert max_body_bytes(None, {}, DEFAULT_MAX_BODY_BYTES) == DEFAULT_MAX_BODY_BYTES == 4 * 2**20
+    assert max_body_bytes(None, {"KVSCOPE_MAX_BODY_BYTES": ""}, 77) == 77  # set but empty: as unset
+
+
+@pytest.mark.parametrize(("flag", "env", "named"), [(0, {}, "--max-body-bytes"), (-5, {}, "--max-body-bytes"),
+                                                    (None, {"KVSCOPE_MAX_BODY_BYTES": "4MB"}, "KVSCOPE_MAX_BODY_BYTES"),
+                                                    (None, {"KVSCOPE_MAX_BODY_BYTES": "-1"}, "KVSCOPE_MAX_BODY_BYTES")])
+def test_a_limit_that_is_not_a_positive_number_names_the_setting(flag, env, named):
+    with pytest.raises(ValueError, match=f"{named} must be a positive number of bytes"):
+        max_body_bytes(flag, env, DEFAULT_MAX_BODY_BYTES)
+
+
+def test_serve_refuses_a_bad_limit_before_it_loads_any_model(capsys, tmp_path):
+    import main
+
+    missing = tmp_path / "no-such-model"  # never read: the limit is checked first
+    assert main.main(["serve", "--max-body-bytes", "0", "--model", str(missing)]) == 1
+    err = capsys.readouterr().err
+    assert "--max-body-bytes must be a positive number of bytes, not '0'" in err and "no-such-model" not in err
