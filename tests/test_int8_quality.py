@@ -9,7 +9,7 @@ import torch
 
 from engine.kv import quant
 from engine.kv.paged import PagedCache
-from engine.kv.paged_int8 import PagedInt8Cache
+from engine.kv.paged_quant import PagedInt8Cache
 from engine.model import LlamaModel
 from tests.engine_helpers import forward_through_cache, one_torch_thread
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.kv.base import BLOCK_OWN
+from engine.kv.precision import CONTIGUOUS_GROUP, QUANTIZED, bytes_per_token
 from tests.engine_helpers import greedy, held_storage_bytes, one_torch_thread, run_turn
 
 LENGTHS = {1: 5, 2: 16, 3: 37}  # seq_id -> tokens held: under a block, exactly one block, two and a bit
@@ -29,6 +30,13 @@ def formula(engine, bytes_per_element: float) -> float:
     return engine.model_config.kv_bytes_per_token(bytes_per_element)
 
 
+def per_token(engine, stats) -> float:
+    """The formula a cache reports: its element size; a quantized one's scales included (precision.py)."""
+    if stats.precision in QUANTIZED:
+        return bytes_per_token(engine.model_config, stats.precision, stats.block_size or CONTIGUOUS_GROUP)
+    return formula(engine, stats.bytes_per_element)
+
+
 def test_the_formula_is_2_x_bytes_x_layers_x_kv_heads_x_head_dim(tiny_config):
     c = tiny_config
     assert c.kv_bytes_per_token(4) == 2 * 4 * c.num_layers * c.num_kv_heads * c.head_dim == 512
@@ -50,8 +58,7 @@ def test_theoretical_bytes_are_the_formula_times_the_tokens_held(tiny_engine_fac
     engine = tiny_engine_factory(cache, BS, max_context=256)
     hold(engine, LENGTHS)
     stats = engine.kv_stats(None)
-    per_token = formula(engine, stats.bytes_per_element)
-    assert stats.bytes_theoretical == per_token * sum(LENGTHS.values())
+    assert stats.bytes_theoretical == int(per_token(engine, stats) * sum(LENGTHS.values()))
     assert engine.kv_stats().bytes_per_element == (1 if cache == "paged-int8" else 4)  # float32 tiny model
 
 
@@ -143,7 +150,8 @@ def test_paged_int8_counts_its_scales_and_is_smaller_than_paged(tiny_engine_fact
     assert q.bytes_used >= q.num_blocks_used * int8_block
     assert q.bytes_budget == q.num_blocks_budget * int8_block < p.bytes_budget
     assert q.bytes_used < p.bytes_used
-    assert q.bytes_theoretical == p.bytes_theoretical // 4
+    assert q.bytes_theoretical == int(bytes_per_token(c, "int8", BS) * sum(LENGTHS.values()))
+    assert q.bytes_theoretical < p.bytes_theoretical // 3  # int8 and its scales: about a quarter of float32
 
 
 @pytest.mark.parametrize("cache", ["none", "contiguous", "paged", "paged-int8"])
@@ -153,6 +161,6 @@ def test_every_step_event_reports_the_figures_for_its_position(tiny_engine_facto
     turn = run_turn(engine, conv, "Hello there", greedy(20))
     for ev in turn.steps:
         assert ev.kv.tokens == ev.pos + 1
-        assert ev.kv.bytes_theoretical == formula(engine, ev.kv.bytes_per_element) * (ev.pos + 1)
+        assert ev.kv.bytes_theoretical == int(per_token(engine, ev.kv) * (ev.pos + 1))
         assert ev.kv.strategy == ev.strategy == cache
     assert [ev.pos for ev in turn.decode] == list(range(turn.prefill[-1].pos + 1, turn.steps[-1].pos + 1))

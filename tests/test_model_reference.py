@@ -11,7 +11,7 @@ from engine.chat import Message, prompt_ids
 from engine.config import ModelConfig
 from engine.kv.contiguous import ContiguousCache
 from engine.kv.paged import PagedCache
-from engine.kv.paged_int8 import PagedInt8Cache
+from engine.kv.paged_quant import PagedInt8Cache
 from engine.kv.recompute import RecomputeCache
 from engine.model import LlamaModel, rope_inv_freq
 from tests.engine_helpers import forward_through_cache, one_torch_thread

@@ -10,7 +10,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.kv.base import KVCacheFull
 from engine.kv.chunks import ChunkLayout
 from engine.kv.paged import PagedCache
-from engine.kv.paged_int8 import PagedInt8Cache
+from engine.kv.paged_quant import PagedInt8Cache
 from tests.engine_helpers import greedy, one_torch_thread, run_turn
 
 BS = 16

@@ -20,10 +20,12 @@ from tqdm import tqdm
 from engine import loader
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.kv import quant
 from engine.kv.base import KVCache
 from engine.kv.contiguous import ContiguousCache
+from engine.kv.contiguous_quant import ContiguousQuantCache
 from engine.kv.paged import PagedCache
-from engine.kv.paged_int8 import PagedInt8Cache
+from engine.kv.paged_quant import PagedQuantCache
 from engine.kv.recompute import RecomputeCache
 from engine.machine import cpu_model
 
@@ -165,15 +167,21 @@ def random_ids(n: int, vocab_size: int, seed: int = SEED) -> list[int]:
 
 # ---- caches
 def make_cache(engine: Engine, strategy: str, block_size: int = 16, pool_tokens: int | None = None,
-               max_context: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
-    kv_dtype = engine.kv_dtype if strategy in ("contiguous", "paged") else engine.dtype
-    args = (engine.model_config, dtype or kv_dtype, engine.device, max_context or engine.max_context)
-    if strategy == "none":
+               max_context: int | None = None, dtype: torch.dtype | None = None, kv: str | None = None) -> KVCache:
+    """A cache of the engine's model: strategy a layout (or 'paged-int8'); kv a precision (None: the engine's
+    KV dtype; dtype overrides a float one)."""
+    layout, kv = ("paged", "int8") if strategy == "paged-int8" else (strategy, kv)
+    codec = quant.CODECS.get(kv)
+    kv_dtype = getattr(torch, kv) if kv and not codec else engine.kv_dtype
+    float_dtype = engine.dtype if layout == "none" or codec else (dtype or kv_dtype)
+    args = (engine.model_config, float_dtype, engine.device, max_context or engine.max_context)
+    if layout == "none":
         return RecomputeCache(*args)
-    if strategy == "contiguous":
-        return ContiguousCache(*args)
-    cls = {"paged": PagedCache, "paged-int8": PagedInt8Cache}[strategy]
-    return cls(*args, block_size=block_size, pool_tokens=pool_tokens)
+    if layout == "contiguous":
+        return ContiguousQuantCache(*args, codec=codec) if codec else ContiguousCache(*args)
+    if codec:
+        return PagedQuantCache(*args, codec=codec, block_size=block_size, pool_tokens=pool_tokens)
+    return PagedCache(*args, block_size=block_size, pool_tokens=pool_tokens)
 
 
 @contextmanager

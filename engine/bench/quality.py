@@ -1,6 +1,7 @@
-"""quality: what int8 keys and values cost. Teacher-forced over real text, paged-int8 against the paged float
-cache through the engine (and transformers' quantized cache against its dynamic cache where a backend is
-installed): perplexity of both, mean KL divergence of the next-token distributions, top-1 agreement."""
+"""quality: what each KV precision costs. Teacher-forced over real text, a paged cache in every precision
+(bfloat16, float16, int8, int4) against a float32 paged cache through the engine (and transformers' quantized
+cache against its dynamic cache where a backend is installed): perplexity of both, mean and max KL divergence
+of the next-token distributions, top-1 agreement."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from engine.bench import peers, report
 from engine.bench.common import BenchContext, bar, make_cache, using_cache
 
 POSITIONS, QUICK_POSITIONS = 4096, 1024
+TESTED_PRECISIONS = ("bfloat16", "float16", "int8", "int4")  # each against a float32 cache
 WINDOW = 2048  # the longest context a position sees
 CHUNK = 64  # tokens per teacher-forced forward
 
@@ -59,8 +61,9 @@ def run(ctx: BenchContext, quick: bool) -> dict:
     n = QUICK_POSITIONS if quick else POSITIONS
     ids = ctx.text_ids()[: n + 1]
     windows = [(s, min(s + WINDOW, n)) for s in range(0, n, WINDOW)]
-    out = {"method": METHOD, "windows": windows, "chunk": CHUNK,
-           "engine paged-int8 vs paged": compare(ids, windows, engine_runner(ctx), "engine")}
+    out = {"method": METHOD, "windows": windows, "chunk": CHUNK}
+    for kv in TESTED_PRECISIONS:
+        out[f"engine KV {kv} vs float32"] = compare(ids, windows, engine_runner(ctx, kv), f"engine {kv}")
     backends = peers.hf_quantized_backends()
     for backend, state in backends.items():
         if state == "available":
@@ -84,11 +87,11 @@ def compare(ids: list[int], windows: list[tuple[int, int]], runner: Runner, labe
     return acc.result()
 
 
-def engine_runner(ctx: BenchContext) -> Runner:
+def engine_runner(ctx: BenchContext, kv: str) -> Runner:
     e = ctx.engine
 
-    def one(strategy: str):
-        cache = make_cache(e, strategy, pool_tokens=WINDOW + 64)
+    def one(precision: str):
+        cache = make_cache(e, "paged", pool_tokens=WINDOW + 64, kv=precision)
         cache.prepare(0, [])
 
         def step(chunk: list[int]) -> torch.Tensor:
@@ -97,7 +100,7 @@ def engine_runner(ctx: BenchContext) -> Runner:
 
         return step
 
-    return lambda: (one("paged"), one("paged-int8"))
+    return lambda: (one("float32"), one(kv))
 
 
 def hf_runner(ctx: BenchContext, backend: str) -> Runner:

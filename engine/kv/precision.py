@@ -1,10 +1,10 @@
-"""The precision the exact caches (contiguous, paged) store keys and values in, apart from their layout.
+"""The precision a cache (contiguous or paged) stores keys and values in, apart from its layout.
 
-float32, bfloat16 or float16 (the int8 pool is its own strategy, paged-int8). `auto` is the fastest of them for
-the compiled attention on this machine, measured once over a synthetic cache and remembered like the weights'
-choice; each of them meets the quality bound (tests/test_kv_precision.py: mean KL <= 0.0005 nats against a
-float32 cache on real English). Without the compiled kernels, or on another device, `auto` keeps the
-activations' dtype on the CPU and float16 elsewhere.
+float32, bfloat16, float16, int8 or int4 (engine/kv/quant.py; 'paged-int8' names paged + int8). `auto` is the
+fastest, for the compiled attention on this machine, of the precisions that meet the quality bound (mean KL <=
+0.0005 nats against a float32 cache on real English: every one but int4, tests/test_kv_precision.py), measured
+once over a synthetic cache and remembered like the weights' choice. Without the compiled kernels, or on another
+device, `auto` keeps the activations' dtype on the CPU and float16 elsewhere.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from engine.weights.convert import _read_choices, _write_choices
 AUTO_KEY = "kv precision"
 PRECISIONS = ("float32", "bfloat16", "float16", "int8", "int4")  # what a cache can store keys and values as
 QUANTIZED = ("int8", "int4")
+AUTO_CANDIDATES = ("float32", "bfloat16", "float16", "int8")  # within the quality bound (int4 is not: its own KL)
 CONTIGUOUS_GROUP = 32  # tokens per quantization group of a contiguous cache (a paged pool's group is its block)
 FLOAT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SCALE_BYTES = 2  # quantization scales and minimums are float16
@@ -71,23 +72,40 @@ def resolve(kv_dtype: str | None, device: torch.device, activations: torch.dtype
 
 def measure_attention(tokens: int = 2048, heads: int = 4, head_dim: int = 64, layers: int = 8,
                       repeats: int = 5) -> dict[str, float]:
-    """Median microseconds of one decode step's attention over `layers` caches of `tokens` tokens per precision
-    (several layers, so the keys come from memory rather than from the processor's caches)."""
-    from engine.kv.attention import KeyMap, attend
-
-    q = torch.randn(1, heads * 3, 1, head_dim)
-    keys = KeyMap.one_store_each([tokens], [tokens - 1], [1], torch.device("cpu"))
+    """Median microseconds of one decode step's attention over `layers` caches of `tokens` tokens per candidate
+    of `auto` (several layers, so the keys come from memory rather than from the processor's caches)."""
     timings = {}
-    for name in KV_DTYPES[1:]:
-        dtype = getattr(torch, name)
-        stores = [(torch.randn(heads, tokens, head_dim).to(dtype), torch.randn(heads, tokens, head_dim).to(dtype))
-                  for _ in range(layers)]
+    for name in AUTO_CANDIDATES:
+        run = _attention_runner(name, tokens, heads, head_dim, layers)
         samples = []
         for i in range(repeats + 1):
             start = time.perf_counter()
-            for k, v in stores:
-                attend(q, [k], [v], keys)
+            run()
             if i:
                 samples.append(time.perf_counter() - start)
         timings[name] = round(sorted(samples)[len(samples) // 2] * 1e6, 1)
     return timings
+
+
+def _attention_runner(name: str, tokens: int, heads: int, head_dim: int, layers: int):
+    """A callable attending one query row per layer over a synthetic cache of `tokens` tokens in precision `name`."""
+    from engine.kv.attention import KeyMap, attend
+    from engine.kv.quant import CODECS
+
+    q = torch.randn(1, heads * 3, 1, head_dim)
+    if name not in CODECS:
+        keys = KeyMap.one_store_each([tokens], [tokens - 1], [1], torch.device("cpu"))
+        dtype = getattr(torch, name)
+        stores = [(torch.randn(heads, tokens, head_dim).to(dtype), torch.randn(heads, tokens, head_dim).to(dtype))
+                  for _ in range(layers)]
+        return lambda: [attend(q, [k], [v], keys) for k, v in stores]
+    codec, bs = CODECS[name], CONTIGUOUS_GROUP
+    blocks = -(-tokens // bs)
+    keys = KeyMap.build([list(range(blocks))], torch.zeros(blocks, dtype=torch.int32),
+                        torch.arange(blocks, dtype=torch.int32) * bs, bs, [tokens - 1], [1], torch.device("cpu"))
+    stores = [[t[0].random_(0, 15) if t.dtype != torch.float16 else t[0].uniform_(0.01, 0.02)
+               for t in codec.storage(1, heads, blocks, bs, head_dim, "cpu")] for _ in range(layers)]
+    window = torch.randn(2, heads, bs, head_dim)
+    ops = kernels.ops()
+    return lambda: [ops.attention_quant(q, *[[t] for t in s], [window[0]], [window[1]], keys.table, keys.block_store,
+                                        keys.block_start, bs, keys.q_pos, codec.bits) for s in stores]
