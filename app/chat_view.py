@@ -136,6 +136,17 @@ class ChatView(QWidget):
         for role, text in messages:
             self.add_message(role, text)
 
+    def keep_messages(self, messages: list[tuple[str, str]]) -> None:
+        """Show these messages, keeping the widgets (and their footers) of the leading ones that are unchanged:
+        only what differs from the end is removed and added again."""
+        shown, same = self.message_texts(), 0
+        while same < min(len(messages), len(shown)) and shown[same] == messages[same]:
+            same += 1
+        while len(self.messages) > same:
+            self.remove_last()
+        for role, text in messages[same:]:
+            self.add_message(role, text)
+
     def message_texts(self) -> list[tuple[str, str]]:
         return [(m.role, m.text) for m in self.messages]
 

@@ -316,7 +316,7 @@ class MainWindow(QMainWindow):
         self.snapshot = data
         if self._resync:  # a turn failed: show the conversation as the worker kept it, and give the text back
             self._resync = False
-            self.chat.set_messages([(m["role"], m["content"]) for m in data.get("messages", [])])
+            self.chat.keep_messages([(m["role"], m["content"]) for m in data.get("messages", [])])
             if self._sent_text and not self.chat.input.toPlainText():
                 self.chat.input.setPlainText(self._sent_text)
 
@@ -326,8 +326,7 @@ class MainWindow(QMainWindow):
         self.status.set_kv(kv)
 
     def _on_trim(self, trim) -> None:
-        self.status.showMessage(f"The context was full: the {trim.dropped_messages} oldest messages were dropped "
-                                f"from the model's view", 8000)
+        self.status.showMessage(trim_message(trim, self.snapshot, self.chat.message_texts()), 12000)
 
     def _refresh_live(self) -> None:
         event, self._last_step = self._last_step, None
@@ -362,6 +361,22 @@ class MainWindow(QMainWindow):
         super().closeEvent(event)
 
 
+FINISH_TAGS = {"cancelled": "stopped", "length": "length limit",
+               "budget": "KV budget reached (Settings → KV budget raises it)"}
+
+
+def trim_message(trim, before: dict, texts: list[tuple[str, str]]) -> str:
+    """Which old messages left the model's view, and why; they stay in the chat."""
+    start = int(before.get("context_start", 0)) if before else 0
+    gone = texts[start:start + trim.dropped_messages]
+    first = next((text for role, text in gone if role == "user"), gone[0][1] if gone else "")
+    which = f' (from "{first[:40]}…")' if len(first) > 40 else (f' (from "{first}")' if first else "")
+    why = (f"the KV budget holds {trim.context_limit:,} tokens" if getattr(trim, "reason", "context") == "budget"
+           else f"the context ({trim.context_limit:,} tokens) was full")
+    return (f"{why[0].upper()}{why[1:]}: the {trim.dropped_messages} oldest messages{which} left the model's view; "
+            "they stay in the chat")
+
+
 def _footer(done, configuration: list[str] | None = None) -> str:
     parts = [f"{done.n_generated_tokens} tokens", f"{done.decode_tok_s:.1f} tok/s",
              f"first token {done.ttft_ms:,.0f} ms", f"prefix reused {done.prefix_hit_tokens}/{done.n_prompt_tokens}",
@@ -371,7 +386,7 @@ def _footer(done, configuration: list[str] | None = None) -> str:
     parts[2:2] = speculation_footer(done)
     parts += configuration or []
     if done.finish_reason != "stop":
-        parts.append({"cancelled": "stopped", "length": "length limit"}.get(done.finish_reason, done.finish_reason))
+        parts.append(FINISH_TAGS.get(done.finish_reason, done.finish_reason))
     return " · ".join(parts)
 
 

@@ -17,6 +17,14 @@ from engine.config import EngineConfig
 from engine.events import DoneEvent, StepEvent, TrimEvent
 
 
+def advice(error: Exception) -> str:
+    """What the user can do about a failed turn, where the engine's message names only the cause."""
+    if type(error).__name__ == "KVCacheFull":  # engine.kv.base.KVCacheFull, not imported here: torch loads late
+        return (". In the app: raise the KV budget (Settings → KV budget), start a new chat (File → New chat), or "
+                "send a shorter message")
+    return ""
+
+
 class WorkerSignals(QObject):
     loaded = Signal(object)  # ModelInfo, after a load or a change of cache strategy
     progress = Signal(str, float)  # message, fraction in [0, 1] or -1 when unknown
@@ -237,7 +245,8 @@ class EngineWorker(QObject):
         except Exception as e:  # noqa: BLE001 - reported; the engine restored the conversation
             if snapshot is not None:
                 self.conv.restore(snapshot)
-            self.signals.error.emit(f"Generation failed: {e}")
+            self.signals.error.emit(f"Generation failed: {e}{advice(e)}")
+            self.signals.stats.emit(self.engine.kv_stats(self.conv))  # the failed turn's blocks are gone: show it
         self.signals.conversation.emit(conversation_dict(self.conv))
 
     def _emit(self, event) -> None:

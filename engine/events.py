@@ -41,7 +41,8 @@ class TrimEvent:
 
     dropped_messages: int
     dropped_tokens: int
-    context_limit: int
+    context_limit: int  # the tokens the prompt and the reply's reserve had to fit in
+    reason: str = "context"  # "context": the model's context; "budget": what the KV budget holds
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class DoneEvent:
     n_generated_tokens: int
     ttft_ms: float
     decode_tok_s: float
-    finish_reason: str  # "stop" (end-of-turn token), "length" (max_new_tokens or context), "cancelled"
+    finish_reason: str  # "stop" (end-of-turn token), "length" (max_new_tokens or context), "cancelled", "budget"
     strategy: str
     prefix_hit_tokens: int
     n_decode_steps: int = 0  # decode steps (events) of the reply
