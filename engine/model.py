@@ -1,4 +1,6 @@
-"""A Llama-family decoder in plain PyTorch. Attention reads and writes keys and values only through a StepView."""
+"""One decoder for every supported family (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3) in plain PyTorch, switched by
+the config's architecture description (engine/architectures.py). Attention reads and writes keys and values only
+through a StepView."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from torch import nn
 
 from engine import kernels
 from engine.config import ConfigError, ModelConfig
+from engine.kv.attention import LayerAttention
 from engine.kv.base import StepView
 from engine.weights.formats import QuantizedWeight
 from engine.weights.linear import FloatLinear, WeightLinear, build_linear
@@ -35,10 +38,12 @@ class TokenEmbedding(nn.Module):
         return self.table.rows(ids, self.dtype)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
+    """-> [D/2] float64. local: the sliding layers' own base, unscaled (Gemma 3)."""
     d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    scaling = config.rope_scaling
+    theta = config.rope_local_theta if local else config.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    scaling = None if local else config.rope_scaling
     if not scaling:
         return inv_freq
     kind = scaling.get("rope_type", scaling.get("type"))
@@ -46,7 +51,12 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         return inv_freq / scaling["factor"]
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
-    raise ConfigError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
+    if kind == "freq_factors":  # llama.cpp's rope_freqs tensor: each frequency divided by its factor
+        factors = torch.tensor(scaling["factors"], dtype=torch.float64)
+        if factors.shape != inv_freq.shape:
+            raise ConfigError(f"{factors.numel()} rope frequency factors for {inv_freq.numel()} frequencies")
+        return inv_freq / factors
+    raise ConfigError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3, freq_factors")
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -61,10 +71,10 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 
 class Rotary(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int):
+    def __init__(self, config: ModelConfig, max_positions: int, local: bool = False):
         super().__init__()
         positions = torch.arange(max_positions, dtype=torch.float64)
-        freqs = torch.outer(positions, rope_inv_freq(config))  # [P, D/2]
+        freqs = torch.outer(positions, rope_inv_freq(config, local))  # [P, D/2]
         angles = torch.cat([freqs, freqs], dim=-1)  # [P, D]
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
@@ -105,16 +115,41 @@ class RMSNorm(nn.Module):
         return self(x)
 
 
+def layer_attention(c: ModelConfig, layer: int) -> LayerAttention | None:
+    """The layer's scale, window and soft-cap; None when it attends plainly (the compiled kernel's case)."""
+    spec = LayerAttention(scale=c.query_scale, window=c.sliding_window if c.is_sliding(layer) else 0,
+                          softcap=c.attn_logit_softcap)
+    return None if spec.is_plain else spec
+
+
 class Attention(nn.Module):
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, layer: int):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.qkv_proj = placeholder((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size)
+        qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        self.qkv_proj = placeholder(qkv_rows, c.hidden_size)
         self.o_proj = placeholder(c.hidden_size, c.num_heads * c.head_dim)
+        family = c.family
+        self.qkv_bias = nn.Parameter(torch.zeros(qkv_rows)) if family.attention_bias else None
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if family.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if family.qk_norm else None
+        self.spec = layer_attention(c, layer)
 
     def forward(self, x, cos, sin, view: StepView, layer: int) -> torch.Tensor:
-        q, k, v = self.rotated_qkv(self.qkv_proj.forward(x), cos, sin)  # [B, H, T, D] each
-        return self.o_proj.forward(view.attend(layer, q, k, v))  # attended: [B, T, Hq * D]
+        qkv = self.qkv_proj.forward(x)  # [B, T, (Hq+2Hkv)*D]
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
+        if self.q_norm is not None:
+            qkv = self.normed_qk(qkv)
+        q, k, v = self.rotated_qkv(qkv, cos, sin)  # [B, H, T, D] each
+        return self.o_proj.forward(view.attend(layer, q, k, v, self.spec))  # attended: [B, T, Hq * D]
+
+    def normed_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        """Each head of q and of k through its RMSNorm over D (Qwen3, Gemma 3), v untouched."""
+        b, t, _ = qkv.shape
+        hq, hkv = self.num_heads, self.num_kv_heads
+        q, k, v = qkv.view(b, t, hq + 2 * hkv, self.head_dim).split([hq, hkv, hkv], dim=2)
+        return torch.cat([self.q_norm(q), self.k_norm(k), v], dim=2).view(b, t, -1)
 
     def rotated_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> list[torch.Tensor]:
         """qkv: [B, T, (Hq+2Hkv)*D]; cos, sin: [B, 1, T, D] -> q [B, Hq, T, D], k, v [B, Hkv, T, D], rotary on
@@ -132,24 +167,35 @@ class MLP(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.intermediate = c.intermediate_size
+        self.gelu = c.activation == "gelu_tanh"  # GeGLU (Gemma) instead of SwiGLU
         self.gate_up_proj = placeholder(2 * c.intermediate_size, c.hidden_size)
         self.down_proj = placeholder(c.hidden_size, c.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj.forward(x)
         ops = kernels.for_activations(gate_up)
-        if ops is not None:
+        if ops is not None and not self.gelu:
             return self.down_proj.forward(ops.silu_mul(gate_up.contiguous()))
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj.forward(F.silu(gate) * up)
+        gated = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj.forward(gated * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig):
+    """Pre-norm attention and MLP; with sandwich norms (Gemma 2/3) each branch's output is normed too, and the
+    norm before the MLP is pre_feedforward_layernorm (Hugging Face's names)."""
+
+    def __init__(self, c: ModelConfig, layer: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        h, eps = c.hidden_size, c.rms_norm_eps
+        self.sandwich = c.family.sandwich_norms
+        self.local_rotary = c.is_sliding(layer) and c.rope_local_theta is not None
+        self.input_layernorm = RMSNorm(h, eps)
+        self.self_attn = Attention(c, layer)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(h, eps)
+            self.post_feedforward_layernorm = RMSNorm(h, eps)
         self.mlp = MLP(c)
 
     def forward(self, x, normed, cos, sin, view: StepView, layer: int, next_norm: RMSNorm) -> torch.Tensor:
@@ -157,8 +203,11 @@ class DecoderLayer(nn.Module):
         Returns x through next_norm (the next layer's input norm, or the final norm)."""
         # children called through forward: a step makes hundreds of these calls, nn.Module's hooks add up
         attended = self.self_attn.forward(normed, cos, sin, view, layer)
-        normed = self.post_attention_layernorm.add_and_norm(x, attended)
-        return next_norm.add_and_norm(x, self.mlp.forward(normed))
+        if not self.sandwich:
+            normed = self.post_attention_layernorm.add_and_norm(x, attended)
+            return next_norm.add_and_norm(x, self.mlp.forward(normed))
+        normed = self.pre_feedforward_layernorm.add_and_norm(x, self.post_attention_layernorm.forward(attended))
+        return next_norm.add_and_norm(x, self.post_feedforward_layernorm.forward(self.mlp.forward(normed)))
 
 
 class LlamaModel(nn.Module):
@@ -168,9 +217,17 @@ class LlamaModel(nn.Module):
         self.lm_head = placeholder(config.vocab_size, config.hidden_size)
         self.embed_tokens = TokenEmbedding(self.lm_head if config.tie_word_embeddings
                                            else placeholder(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = Rotary(config, max_positions or config.max_position_embeddings)
+        self.embedding_scale = config.hidden_size ** 0.5 if config.family.embedding_scale else None
+        self.final_softcap = config.final_logit_softcap
+        self.build_rotary(max_positions)
+
+    def build_rotary(self, max_positions: int | None) -> None:
+        positions = max_positions or self.config.max_position_embeddings
+        self.rotary = Rotary(self.config, positions)
+        local = any(layer.local_rotary for layer in self.layers)
+        self.local_rotary = Rotary(self.config, positions, local=True) if local else None
 
     def projections(self) -> dict[str, WeightLinear]:
         """Every weight matrix by name (a tied embedding is the head, listed once)."""
@@ -200,6 +257,8 @@ class LlamaModel(nn.Module):
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.weight.data = module.weight.data.to(dtype)
+            if isinstance(module, Attention) and module.qkv_bias is not None:
+                module.qkv_bias.data = module.qkv_bias.data.to(dtype)
         self.embed_tokens.dtype = dtype
 
     @torch.inference_mode()
@@ -209,16 +268,24 @@ class LlamaModel(nn.Module):
         if not all_logits:
             last = torch.tensor(view.n_new, device=normed.device) - 1
             normed = normed[torch.arange(normed.shape[0], device=normed.device), last]  # [B, H]
-        return self.lm_head(normed).float()
+        logits = self.lm_head(normed).float()
+        if self.final_softcap:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
 
     @torch.inference_mode()
     def hidden_states(self, input_ids: torch.Tensor, view: StepView) -> torch.Tensor:
         """input_ids: [B, T] -> the last layer's output through the final norm, [B, T, H] (the head's input)."""
         x = self.embed_tokens(input_ids).contiguous()  # [B, T, H], the residual stream
-        cos, sin = self.rotary(view.positions, x.dtype)
+        if self.embedding_scale is not None:
+            x = x * torch.tensor(self.embedding_scale, dtype=x.dtype)  # Gemma: rounded to the activations' dtype
+        tables = [self.rotary(view.positions, x.dtype)]  # cos, sin: [B, 1, T, D]
+        if self.local_rotary is not None:
+            tables.append(self.local_rotary(view.positions, x.dtype))
         normed = self.layers[0].input_layernorm(x)
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         for i, (layer, next_norm) in enumerate(zip(self.layers, norms)):
+            cos, sin = tables[1 if layer.local_rotary else 0]
             normed = layer.forward(x, normed, cos, sin, view, i, next_norm)
         return normed
 
@@ -239,9 +306,11 @@ class LlamaModel(nn.Module):
             _set_module(model, name, build_linear(weight))
         if config.tie_word_embeddings:
             model.embed_tokens.table = model.lm_head
-        norms = {k: v for k, v in fused.items() if k.endswith("norm.weight")}
-        model.load_state_dict(norms, strict=False, assign=True)
-        model.rotary = Rotary(config, max_positions or config.max_position_embeddings)
+        offset = config.family.norm_offset  # Gemma: Hugging Face's w is applied as (1 + w)
+        vectors = {k: v.float() + offset if k.endswith("norm.weight") else v.float()
+                   for k, v in fused.items() if k.endswith(("norm.weight", "qkv_bias"))}
+        model.load_state_dict(vectors, strict=False, assign=True)
+        model.build_rotary(max_positions)
         missing = [n for n, p in model.named_parameters() if p.is_meta]
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {', '.join(missing[:5])}")
@@ -259,12 +328,14 @@ def _set_module(model: nn.Module, dotted: str, module: nn.Module) -> None:
 
 
 def fuse_hf_state_dict(c: ModelConfig, state: dict[str, Weight]) -> dict[str, Weight]:
+    """Hugging Face names -> this model's: q/k/v (weights and biases) and gate/up fused; a checkpoint that
+    already fuses them (Phi-3's qkv_proj, gate_up_proj) passes through."""
     out = {}
     for name, tensor in state.items():
         name = name.removeprefix("model.")
         if name.startswith("layers.") and (".q_proj." in name or ".gate_proj." in name):
             prefix = name.split(".self_attn.")[0] if "self_attn" in name else name.split(".mlp.")[0]
-            out.update(_fused_layer(state, prefix, "self_attn" in name))
+            out.update(_fused_layer(state, prefix, "self_attn" in name, name.rpartition(".")[2]))
         elif not any(p in name for p in (".k_proj.", ".v_proj.", ".up_proj.", "rotary_emb")):
             out[name] = tensor
     if c.tie_word_embeddings:
@@ -272,15 +343,17 @@ def fuse_hf_state_dict(c: ModelConfig, state: dict[str, Weight]) -> dict[str, We
     return out
 
 
-def _fused_layer(state: dict, prefix: str, attention: bool) -> dict[str, Weight]:
+def _fused_layer(state: dict, prefix: str, attention: bool, leaf: str) -> dict[str, Weight]:
+    """leaf: weight or bias."""
     def get(suffix):
         return state.get(f"model.{prefix}.{suffix}", state.get(f"{prefix}.{suffix}"))
 
     if attention:
-        parts = [get(f"self_attn.{p}_proj.weight") for p in "qkv"]
-        return {f"{prefix}.self_attn.qkv_proj.weight": concat(parts)}
-    parts = [get(f"mlp.{p}_proj.weight") for p in ("gate", "up")]
-    return {f"{prefix}.mlp.gate_up_proj.weight": concat(parts)}
+        parts = [get(f"self_attn.{p}_proj.{leaf}") for p in "qkv"]
+        name = "qkv_proj.weight" if leaf == "weight" else "qkv_bias"
+        return {f"{prefix}.self_attn.{name}": concat(parts)}
+    parts = [get(f"mlp.{p}_proj.{leaf}") for p in ("gate", "up")]
+    return {f"{prefix}.mlp.gate_up_proj.{leaf}": concat(parts)}
 
 
 def concat(parts: list[Weight]) -> Weight:

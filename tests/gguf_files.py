@@ -117,3 +117,116 @@ def _add_hyperparameters(writer: gguf.GGUFWriter, c: ModelConfig) -> None:
     writer.add_rope_freq_base(c.rope_theta)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_vocab_size(c.vocab_size)
+
+
+# ---- any architecture: a transformers model's weights written as llama.cpp's converter would ----------------
+
+# Hugging Face module -> GGUF tensor, per layer; families listed where they differ from the Llama names
+HF_TO_GGUF_LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                    "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
+                    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+                    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.gate_up_proj": "ffn_up",
+                    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+                    "post_attention_layernorm": "ffn_norm", "pre_feedforward_layernorm": "ffn_norm",
+                    "post_feedforward_layernorm": "post_ffw_norm"}
+SANDWICH_LAYER = {"post_attention_layernorm": "post_attention_norm"}  # Gemma 2/3: a norm after attention
+PERMUTED_QK = ("llama", "mistral")  # llama.cpp interleaves q/k rows only for these (the others use NEOX rope)
+NORM_PLUS_ONE = ("gemma2", "gemma3")  # llama.cpp stores Gemma's (1 + w) norm weights with the 1 added
+
+
+def gguf_tensor_name(hf: str, arch: str) -> str | None:
+    hf = hf.removeprefix("model.")
+    fixed = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    if hf in fixed:
+        return fixed[hf]
+    if not hf.startswith("layers."):
+        return None
+    _, layer, *rest = hf.split(".")
+    module, leaf = ".".join(rest[:-1]), rest[-1]
+    table = {**HF_TO_GGUF_LAYER, **(SANDWICH_LAYER if arch in NORM_PLUS_ONE else {})}
+    return f"blk.{layer}.{table[module]}.{leaf}"
+
+
+def write_model_gguf(path: Path, arch: str, hf_config: dict, state: dict[str, torch.Tensor],
+                     types: dict[str, T] | None = None, extra_keys: dict | None = None,
+                     extra_tensors: dict[str, np.ndarray] | None = None, name: str = "tiny") -> Path:
+    """A GGUF of `arch` holding a transformers model's state dict (names, q/k order and norm convention as
+    llama.cpp's converter writes them), the default model's cut tokenizer, and the hyperparameters from
+    hf_config. types: HF name fragment -> block type for 2-D tensors (default F32)."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(name)
+    for key, (value, kind, sub) in tokenizer_fields().items():
+        writer.add_key_value(key, value, kind, sub_type=sub)
+    _add_arch_hyperparameters(writer, arch, hf_config)
+    for key, value in (extra_keys or {}).items():
+        writer.add_key_value(f"{arch}.{key}", value, _value_type(value))
+    tied = hf_config.get("tie_word_embeddings", False)
+    for name, tensor in state.items():
+        target = gguf_tensor_name(name, arch)
+        if target is None or (tied and target == "output.weight"):
+            continue
+        w = tensor.detach().float().numpy().astype(np.float32)
+        w = _as_llama_cpp_stores(w, name, arch, hf_config)
+        kind = T.F32 if w.ndim == 1 else block_type(name, types or {})
+        if kind == T.F32:
+            writer.add_tensor(target, w)
+        else:
+            writer.add_tensor(target, gguf.quants.quantize(w, kind), raw_dtype=kind)
+    for target, w in (extra_tensors or {}).items():
+        writer.add_tensor(target, w.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _as_llama_cpp_stores(w: np.ndarray, name: str, arch: str, c: dict) -> np.ndarray:
+    if arch in PERMUTED_QK and (".q_proj." in name or ".k_proj." in name):
+        heads = c["num_attention_heads"] if ".q_proj." in name else c.get("num_key_value_heads")
+        return llama_cpp_permute(w, heads or c["num_attention_heads"])
+    if arch in NORM_PLUS_ONE and name.endswith("norm.weight"):
+        return w + 1
+    return w
+
+
+def _value_type(value) -> gguf.GGUFValueType:
+    if isinstance(value, bool):
+        return gguf.GGUFValueType.BOOL
+    if isinstance(value, int):
+        return gguf.GGUFValueType.UINT32
+    if isinstance(value, float):
+        return gguf.GGUFValueType.FLOAT32
+    return gguf.GGUFValueType.STRING
+
+
+def _add_arch_hyperparameters(writer: gguf.GGUFWriter, arch: str, c: dict) -> None:
+    heads = c["num_attention_heads"]
+    head_dim = c.get("head_dim") or c["hidden_size"] // heads
+    writer.add_block_count(c["num_hidden_layers"])
+    writer.add_context_length(c["max_position_embeddings"])
+    writer.add_embedding_length(c["hidden_size"])
+    writer.add_feed_forward_length(c["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(c.get("num_key_value_heads") or heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float(_full_attention_theta(c)))
+    writer.add_layer_norm_rms_eps(c.get("rms_norm_eps", 1e-6))
+    writer.add_vocab_size(c["vocab_size"])
+    if c.get("sliding_window"):
+        writer.add_sliding_window(c["sliding_window"])
+    if c.get("attn_logit_softcapping"):
+        writer.add_attn_logit_softcapping(c["attn_logit_softcapping"])
+    if c.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(c["final_logit_softcapping"])
+
+
+def _full_attention_theta(c: dict) -> float:
+    """rope.freq_base: the full-attention layers' base (Gemma 3's sliding layers use 10,000, as llama.cpp
+    assumes)."""
+    rope = c.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)
+    return rope.get("rope_theta", c.get("rope_theta", 10000.0))

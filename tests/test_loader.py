@@ -34,9 +34,14 @@ def model_folders(cache: Path) -> list[str]:
     return sorted(p.name for p in models.iterdir()) if models.exists() else []
 
 
-def write_gguf(path: Path, architecture: str) -> Path:
+def write_gguf(path: Path, architecture: str, shape: bool = False) -> Path:
     writer = gguf.GGUFWriter(str(path), architecture)
     writer.add_block_count(1)
+    if shape:  # the keys a model's config is read from
+        writer.add_embedding_length(8)
+        writer.add_feed_forward_length(16)
+        writer.add_head_count(2)
+        writer.add_vocab_size(4)
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -157,8 +162,15 @@ def test_a_gguf_of_another_architecture_names_what_was_found_and_what_is_support
 
 
 def test_a_failing_conversion_leaves_no_model_folder(tmp_path, private_cache):
-    path = write_gguf(tmp_path / "no-tokenizer.gguf", "llama")  # readable, but transformers cannot convert it
+    path = write_gguf(tmp_path / "no-tokenizer.gguf", "llama", shape=True)  # a whole config, no tokenizer
     with pytest.raises(ModelLoadError, match="converting no-tokenizer.gguf failed"):
+        loader.load_weights(str(path))
+    assert model_folders(private_cache) == []
+
+
+def test_a_gguf_without_its_shape_keys_is_refused_before_any_conversion(tmp_path, private_cache):
+    path = write_gguf(tmp_path / "no-shape.gguf", "llama")
+    with pytest.raises(ModelLoadError, match="no-shape.gguf: the file has no llama.attention.head_count key"):
         loader.load_weights(str(path))
     assert model_folders(private_cache) == []
 

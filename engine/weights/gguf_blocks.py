@@ -63,8 +63,19 @@ def _dequantize_other(tensor, kind) -> np.ndarray:
         raise WeightFormatError(f"{tensor.name}: unsupported GGUF tensor type {kind.name} ({e})") from None
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """GGUF tensor name -> Hugging Face Llama name (None for tensors the model does not use)."""
+LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+               "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
+               "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+               "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+SANDWICH_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                  "post_ffw_norm": "post_feedforward_layernorm"}  # Gemma 2/3
+FUSED_NAMES = {"ffn_up": "mlp.gate_up_proj"}  # Phi-3: ffn_up holds gate then up
+
+
+def hf_name(gguf_name: str, sandwich_norms: bool = False, fused: bool = False) -> str | None:
+    """GGUF tensor name -> Hugging Face name (None for tensors the model does not use). sandwich_norms: Gemma's
+    four norms a layer; fused: Phi-3's attn_qkv and gate-and-up ffn_up."""
     fixed = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
     if gguf_name in fixed:
@@ -72,10 +83,8 @@ def hf_name(gguf_name: str) -> str | None:
     parts = gguf_name.split(".")
     if parts[0] != "blk" or len(parts) != 4:
         return None
-    layer = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-             "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
-             "ffn_norm": "post_attention_layernorm"}.get(parts[2])
+    names = {**LAYER_NAMES, **(SANDWICH_NAMES if sandwich_norms else {}), **(FUSED_NAMES if fused else {})}
+    layer = names.get(parts[2])
     return f"model.layers.{parts[1]}.{layer}.{parts[3]}" if layer else None
 
 
