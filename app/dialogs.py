@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from html import escape
 
 from PySide6.QtWidgets import (
@@ -85,19 +86,51 @@ class DraftTokensDialog(QDialog):
         return self.spin.value()
 
 
-class KVBudgetDialog(QDialog):
-    """The most a paged KV pool grows to, in MiB (0: one context's worth, the default)."""
+SHORT_QUESTION = "Could you explain briefly what a KV cache holds, and why it grows with the conversation?"
+SHORT_REPLY_TOKENS = 32
 
-    def __init__(self, value: float | None, parent: QWidget | None = None):
+
+def minimum_budget(info: ModelInfo | None, system_prompt: str | None) -> tuple[float, str] | None:
+    """The smallest budget (MiB, rounded up to the dialog's 0.01) that holds the system prompt and one short turn
+    under the active paged pool, and why; None when the strategy has no block pool to budget."""
+    if info is None or not info.kv_bytes_per_block or info.count_prompt is None:
+        return None
+    prompt = info.count_prompt(system_prompt or None, [("user", SHORT_QUESTION)])
+    # the engine keeps a quarter of the budget free for the reply (Engine._fit_prompt)
+    tokens = max(prompt + SHORT_REPLY_TOKENS, -(-prompt * 4 // 3))
+    blocks = -(-tokens // info.block_size)
+    mib = math.ceil(blocks * info.kv_bytes_per_block / 2**20 * 100) / 100
+    stored = f", {info.kv_dtype}" if info.kv_dtype else ""
+    why = (f"the system prompt with a short question ({prompt:,} tokens) and a {SHORT_REPLY_TOKENS}-token reply "
+           f"need {blocks} blocks of {info.block_size} tokens ({info.cache_strategy}{stored}: "
+           f"{human_bytes(info.kv_bytes_per_block)} a block)")
+    return mib, why
+
+
+class KVBudgetDialog(QDialog):
+    """The most a paged KV pool grows to, in MiB (0: one context's worth, the default). minimum: (MiB, why) from
+    minimum_budget: a smaller budget is refused, saying what to choose instead."""
+
+    def __init__(self, value: float | None, parent: QWidget | None = None,
+                 minimum: tuple[float, str] | None = None):
         super().__init__(parent)
         self.setWindowTitle("KV budget")
+        self.minimum = minimum
         form = QFormLayout(self)
-        form.addRow(QLabel("The paged pool starts small and grows with the conversation, up to this budget;\n"
-                           "past it, cached blocks are evicted, then a turn fails with 'cache full'.", self))
-        self.spin = _double(0.0, 1 << 20, 16.0, value or 0.0, decimals=1)
+        form.addRow(QLabel("The paged pool starts small and grows with the conversation, up to this budget.\n"
+                           "Past it, cached blocks are evicted, a reply ends where the budget does (its text\n"
+                           "kept), and the next turn drops the oldest turns from the model's view to fit.", self))
+        self.spin = _double(0.0, 1 << 20, 16.0, value or 0.0, decimals=2)
         self.spin.setSpecialValueText("one context (default)")
         self.spin.setSuffix(" MiB")
         form.addRow("KV budget", self.spin)
+        if minimum is not None:
+            form.addRow(QLabel(f"At least {minimum[0]:g} MiB: {minimum[1]}.", self, objectName="muted",
+                               wordWrap=True))
+        self.problem = QLabel("", self, wordWrap=True)
+        self.problem.setStyleSheet("color: #f28b82;")
+        self.problem.hide()
+        form.addRow(self.problem)
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel)
         buttons.accepted.connect(self.accept)
         buttons.rejected.connect(self.reject)
@@ -105,6 +138,15 @@ class KVBudgetDialog(QDialog):
 
     def value(self) -> float | None:
         return self.spin.value() or None
+
+    def accept(self) -> None:
+        value = self.value()
+        if value is not None and self.minimum is not None and value < self.minimum[0]:
+            self.problem.setText(f"{value:g} MiB cannot hold one turn: {self.minimum[1]}. Choose "
+                                 f"{self.minimum[0]:g} MiB or more, or 0 for one context's worth.")
+            self.problem.show()
+            return
+        super().accept()
 
 
 class SystemPromptDialog(QDialog):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from PySide6.QtGui import QAction, QActionGroup, QKeySequence
 from PySide6.QtWidgets import QMainWindow, QMenu
 
-from app.dialogs import DraftTokensDialog, KVBudgetDialog
+from app.dialogs import DraftTokensDialog, KVBudgetDialog, minimum_budget
 from app.settings import MENU_BLOCK_SIZES
 from engine.config import CACHE_STRATEGIES, KV_DTYPES, WEIGHT_FORMATS
 
@@ -164,7 +164,9 @@ class Menus:
             settings.max_draft_tokens = dialog.value()
 
     def _ask_kv_budget(self) -> None:
-        dialog = KVBudgetDialog(self.window.settings.kv_budget_mib, self.window)
+        settings = self.window.settings
+        minimum = minimum_budget(getattr(self.window, "info", None), settings.system_prompt)
+        dialog = KVBudgetDialog(settings.kv_budget_mib, self.window, minimum)
         if dialog.exec():
             self.window.set_kv_budget(dialog.value())
 

@@ -7,7 +7,8 @@ the storage the strategy allocates when the record is built.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 SCALED = {"paged-int8": "int8 + float16 scales"}  # strategies whose elements carry scales beside them
@@ -33,6 +34,10 @@ class ModelInfo:
     kv_dtype: str = ""  # the precision the active cache stores K/V in (float32 ... int4; "" for 'none')
     kv_dtype_setting: str = ""  # what Settings → KV precision asked for ("auto" or a precision; "": not set)
     precision_bytes: tuple[tuple[str, float], ...] = ()  # (precision, KV bytes per token, scales included)
+    kv_bytes_per_block: int = 0  # one block of the active paged pool, exactly (0: the strategy has no blocks)
+    # count_prompt(system prompt, [(role, text), ...]) -> the prompt's tokens under the model's chat template
+    count_prompt: Callable[[str | None, list[tuple[str, str]]], int] | None = field(default=None, compare=False,
+                                                                                     repr=False)
 
     @classmethod
     def from_engine(cls, engine) -> ModelInfo:
@@ -46,6 +51,8 @@ class ModelInfo:
             weights_bytes=engine.weights_resident_bytes, weights_file_bytes=engine.weights_file_bytes,
             kv_dtype=active_precision(engine), kv_dtype_setting=engine.config.kv_dtype or "",
             precision_bytes=precision_bytes_per_token(engine),
+            kv_bytes_per_block=int(engine.cache.bytes_per_block()) if hasattr(engine.cache, "bytes_per_block") else 0,
+            count_prompt=prompt_counter(engine.tokenizer),
         )
 
     @property
@@ -91,6 +98,17 @@ def strategy_bytes_per_element(engine) -> float:
         return float(cache.bytes_per_element)
     elements = cache.block_size * 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim
     return cache.bytes_per_block() / elements
+
+
+def prompt_counter(tokenizer) -> Callable[[str | None, list[tuple[str, str]]], int]:
+    """Counts a prompt's tokens as the engine builds it (engine.chat.prompt_ids): safe on the GUI thread, since
+    a fast tokenizer is."""
+    from engine.chat import Message, prompt_ids
+
+    def count(system_prompt: str | None, messages: list[tuple[str, str]]) -> int:
+        return len(prompt_ids(tokenizer, system_prompt, [Message(role, text) for role, text in messages]))
+
+    return count
 
 
 def active_precision(engine) -> str:

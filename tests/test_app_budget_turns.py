@@ -63,3 +63,35 @@ def test_the_trim_message_says_which_turns_left_and_why():
     assert '(from "What is a KV cache, and why is it so lar…")' in budget and "stay in the chat" in budget
     context = trim_message(TrimEvent(2, 40, 8192), {"context_start": 0}, texts)
     assert context.startswith("The context (8,192 tokens) was full")
+
+
+def test_the_budget_dialog_refuses_what_cannot_hold_the_system_prompt_and_one_short_turn(window, qtbot):
+    from app.dialogs import SHORT_REPLY_TOKENS, KVBudgetDialog, minimum_budget
+
+    info = window.info
+    least, why = minimum_budget(info, window.settings.system_prompt)
+    prompt = info.count_prompt(window.settings.system_prompt, [("user", "Could you explain briefly?")])
+    assert least * 2**20 >= (prompt + SHORT_REPLY_TOKENS) / info.block_size * info.kv_bytes_per_block
+    assert "blocks of 16 tokens" in why and "system prompt" in why
+    dialog = KVBudgetDialog(None, window, (least, why))
+    qtbot.addWidget(dialog)
+    dialog.show()
+
+    assert least >= 0.02
+    dialog.spin.setValue(least - 0.01)
+    dialog.accept()
+    assert dialog.isVisible() and "cannot hold one turn" in dialog.problem.text()
+    assert f"Choose {least:g} MiB or more, or 0 for one context's worth" in dialog.problem.text()
+
+    dialog.spin.setValue(least)
+    dialog.accept()
+    assert not dialog.isVisible() and dialog.value() == least
+
+
+def test_no_minimum_where_the_strategy_has_no_pool(window, qtbot):
+    from dataclasses import replace
+
+    from app.dialogs import minimum_budget
+
+    assert minimum_budget(replace(window.info, kv_bytes_per_block=0, cache_strategy="contiguous"), "x") is None
+    assert minimum_budget(None, "x") is None
