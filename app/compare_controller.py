@@ -8,7 +8,7 @@ window's or the Compare window's) ends the replay within a step.
 from __future__ import annotations
 
 from PySide6.QtGui import QAction, QKeySequence
-from PySide6.QtWidgets import QFileDialog
+from PySide6.QtWidgets import QFileDialog, QMenu
 
 from app.compare_dialog import CompareDialog
 from app.compare_view import CompareView
@@ -20,7 +20,7 @@ class CompareController:
         self.window = window
         self.running = False
         self.view = CompareView(window)
-        menu = window.menuBar().addMenu("&Compare")
+        menu = self._add_menu(window.menuBar())
         self.replay_action = QAction("&Replay under…", window, shortcut=QKeySequence("Ctrl+Shift+R"),
                                      statusTip="Replay this conversation's exact tokens under other configurations")
         self.show_action = QAction("Show the &last Compare", window, statusTip="The Compare window")
@@ -133,6 +133,17 @@ class CompareController:
         if not any(m["role"] == "assistant" for m in w.snapshot.get("messages", [])):
             return "Nothing to compare yet: send a message first, then replay its tokens under other caches"
         return ""
+
+    @staticmethod
+    def _add_menu(bar) -> QMenu:
+        """Compare, just before Help (which stays last)."""
+        menu = QMenu("&Compare", bar)
+        help_menu = next((a for a in bar.actions() if a.text() == "&Help"), None)
+        if help_menu is None:
+            bar.addMenu(menu)
+        else:
+            bar.insertMenu(help_menu, menu)
+        return menu
 
     def _ask_path(self, file_filter: str, action) -> None:
         path, _ = QFileDialog.getSaveFileName(self.view, "Export", "", file_filter)

@@ -20,7 +20,7 @@ def test_the_menus_offer_every_strategy_and_block_size_as_exclusive_choices(wind
     assert menus.strategy_group.isExclusive() and menus.block_size_group.isExclusive()
     assert menus.strategies["paged"].isChecked() and menus.block_sizes[16].isChecked()
     titles = [a.text() for a in window.menuBar().actions()]
-    assert titles == ["&File", "&Settings", "&View", "&Help"]
+    assert titles == ["&File", "&Settings", "&View", "&Compare", "&Help"]
 
 
 def test_a_block_size_chosen_in_the_menu_is_used_and_remembered(qtbot, window):
