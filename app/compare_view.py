@@ -27,6 +27,7 @@ from engine.replay_result import CompareResult, Summary
 
 MIB = 1024 * 1024
 REDRAW_MS = 200
+TABLE_MAX_HEIGHT = 360  # the table shows every row up to this height, then scrolls
 COLUMNS = ("Configuration", "Decode ms/token\nmedian", "p90", "Median by context\n(positions: ms)",
            "TTFT per turn\n(ms)", "KV peak\nallocated / used", "KV final\nallocated / used",
            "Greedy agreement\nwith the first")
@@ -34,6 +35,19 @@ COLUMNS = ("Configuration", "Decode ms/token\nmedian", "p90", "Median by context
 
 def _mib(n: int) -> float:
     return n / MIB if n > 0 else float("nan")
+
+
+def decode_line(rows) -> tuple[list[float], list[float]]:
+    """Decode latency against position, broken (a NaN) between turns: no line across a turn's prefill."""
+    x, y, turn = [], [], None
+    for row in rows:
+        if turn is not None and row.turn != turn:
+            x.append(row.pos - 0.5)
+            y.append(float("nan"))
+        x.append(row.pos)
+        y.append(row.latency_ms)
+        turn = row.turn
+    return x, y
 
 
 def agreement_text(summary: Summary, index: int) -> str:
@@ -130,8 +144,14 @@ class CompareView(QWidget):
 
     # --- what tests and exports read -------------------------------------------------------------------------------
     def series(self, index: int, name: str = "decode"):
+        """The finite points drawn for configuration `index` (line breaks between turns left out)."""
+        import numpy as np
+
         item = self._items[index][name]
-        return item.xData, item.yData
+        if item.xData is None:
+            return np.empty(0), np.empty(0)
+        finite = np.isfinite(item.yData)
+        return item.xData[finite], item.yData[finite]
 
     def table_text(self) -> list[list[str]]:
         return [[self.table.item(r, c).text() for c in range(self.table.columnCount())]
@@ -170,7 +190,7 @@ class CompareView(QWidget):
         content.addWidget(self.heading)
         content.addWidget(self.latency_box, 3)
         content.addWidget(self.memory_box, 2)
-        content.addWidget(self.table, 2)
+        content.addWidget(self.table, 0)
         layout = QVBoxLayout(self)
         layout.addLayout(top)
         layout.addWidget(self.content, 1)
@@ -215,8 +235,7 @@ class CompareView(QWidget):
             return
         self._dirty = False
         for run, items in zip(self.result.runs, self._items):
-            decode = run.decode_rows()
-            items["decode"].setData([r.pos for r in decode], [r.latency_ms for r in decode])
+            items["decode"].setData(*decode_line(run.decode_rows()))
             prefill_x, prefill_y = [], []
             for r in run.rows:
                 if r.phase == "prefill":
@@ -243,3 +262,5 @@ class CompareView(QWidget):
                     item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
                 self.table.setItem(row, column, item)
         self.table.resizeRowsToContents()
+        rows = sum(self.table.rowHeight(r) for r in range(self.table.rowCount()))
+        self.table.setMinimumHeight(min(self.table.horizontalHeader().height() + rows + 6, TABLE_MAX_HEIGHT))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from PySide6.QtCore import QSettings, Qt, Signal, Slot
+from PySide6.QtCore import QEvent, QObject, QSettings, Qt, Signal, Slot
 from PySide6.QtWidgets import (
     QHBoxLayout,
     QInputDialog,
@@ -30,6 +30,7 @@ from app.conversation_store import ConversationStore, Entry, default_folder
 from app.step_log import StepLog
 
 MIN_WIDTH = 180
+OPEN_WIDTH = 210  # the sidebar's width when it opens again
 ID_ROLE = Qt.ItemDataRole.UserRole
 
 
@@ -134,6 +135,40 @@ class ConversationList(QWidget):
         self.delete_button.setEnabled(chosen)
 
 
+class SidebarFit(QObject):
+    """Folds the sidebar away (the splitter's first pane, collapsible) when the window is too narrow for it
+    beside the chat's and the side panel's minimum widths, and opens it again when the room comes back; dragging
+    the splitter's handle opens it at any width."""
+
+    def __init__(self, window, splitter):
+        super().__init__(window)
+        self.window, self.splitter = window, splitter
+        self.folded = False
+        splitter.setCollapsible(0, True)
+        window.installEventFilter(self)
+
+    def needed_width(self) -> int:
+        """The sidebar's minimum beside the other panes' minimums, the handles and the window's margins."""
+        panes = [self.splitter.widget(i) for i in range(1, self.splitter.count())]
+        others = sum(max(pane.minimumWidth(), pane.minimumSizeHint().width()) for pane in panes if pane.isVisible())
+        return MIN_WIDTH + others + self.splitter.count() * self.splitter.handleWidth() + 16
+
+    def eventFilter(self, watched, event) -> bool:  # noqa: N802 (Qt override)
+        if watched is self.window and event.type() == QEvent.Type.Resize:
+            self.fit(event.size().width())
+        return False
+
+    def fit(self, width: int) -> None:
+        sizes = self.splitter.sizes()
+        if width < self.needed_width() and sizes[0] > 0:
+            self.folded = True
+            self.splitter.setSizes([0, sizes[1] + sizes[0] // 2, sizes[2] + sizes[0] - sizes[0] // 2])
+        elif width >= self.needed_width() and self.folded and sizes[0] == 0:
+            self.folded = False
+            self.splitter.setSizes([OPEN_WIDTH, max(sizes[1] - OPEN_WIDTH // 2, 1), max(sizes[2] - OPEN_WIDTH // 2,
+                                                                                        1)])
+
+
 class Conversations:
     """Keeps the window's conversation saved, and switches between saved ones."""
 
@@ -145,6 +180,7 @@ class Conversations:
         self.compare: dict | None = None  # its last Compare result, saved form
         self._saved: tuple | None = None  # what was last saved or opened: the same again is not written
         self.widget = widget or ConversationList(window)
+        self.fit = SidebarFit(window, window.splitter) if self.widget.parent() is window.splitter else None
         w = self.widget
         w.new_requested.connect(window.new_chat)
         w.open_requested.connect(self.open)
