@@ -12,7 +12,7 @@ import torch
 
 from engine import kernels
 from engine.kv import quant
-from engine.kv.precision import CONTIGUOUS_GROUP, bytes_per_token
+from engine.kv.precision import CONTIGUOUS_GROUP
 from tests.engine_helpers import one_torch_thread
 from tests.test_batch_invariance import PROMPT, decode, same_bits
 

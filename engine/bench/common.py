@@ -170,7 +170,10 @@ def make_cache(engine: Engine, strategy: str, block_size: int = 16, pool_tokens:
                max_context: int | None = None, dtype: torch.dtype | None = None, kv: str | None = None) -> KVCache:
     """A cache of the engine's model: strategy a layout (or 'paged-int8'); kv a precision (None: the engine's
     KV dtype; dtype overrides a float one)."""
-    layout, kv = ("paged", "int8") if strategy == "paged-int8" else (strategy, kv)
+    from engine.bench.report import parse_kv_row
+
+    layout, named_kv = parse_kv_row(strategy)
+    layout, kv = ("paged", "int8") if layout == "paged-int8" else (layout, named_kv or kv)
     codec = quant.CODECS.get(kv)
     kv_dtype = getattr(torch, kv) if kv and not codec else engine.kv_dtype
     float_dtype = engine.dtype if layout == "none" or codec else (dtype or kv_dtype)

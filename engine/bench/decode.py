@@ -3,11 +3,10 @@ same process and threads) and llama.cpp when installed, and the memory-bandwidth
 
 from __future__ import annotations
 
-import torch
-
 from engine.bench import peers, report, roofline
 from engine.bench.common import BenchContext, bar, make_cache, median, random_ids, ratio, status
-from engine.bench.report import weights_row
+from engine.bench.report import kv_row, weights_row
+from engine.kv.precision import PRECISIONS, bytes_per_token
 
 CONTEXTS = (16, 512, 2048, 4096, 8192)
 QUICK_CONTEXTS = (16, 512, 2048)
@@ -60,12 +59,17 @@ def make_peers(ctx: BenchContext, contexts: list[int], steps: int, pool_tokens: 
     runners = {"none": (peers.EnginePeer(e, "none", pool_tokens), none_contexts, NONE_STEPS)}
     for s in CACHED_STRATEGIES:
         runners[s] = (peers.EnginePeer(e, s, pool_tokens), contexts, steps)
+    for kv in PRECISIONS:
+        if kv != e.kv_dtype_name:
+            runners[kv_row("paged", kv)] = (peers.EnginePeer(e, kv_row("paged", kv), pool_tokens), contexts, steps)
     for fmt in WEIGHT_FORMATS:
         if fmt != e.weight_format:
             runners[weights_row(fmt)] = (peers.EnginePeer(ctx.engine_with_weights(fmt), "paged", pool_tokens),
                                          contexts, steps)
     notes = [f"the engine's strategies run with the auto weight format, which chose {e.weight_format} here; "
              f"'paged, X weights' rows run the same cache with the other formats.",
+             f"'paged' keeps keys and values in the engine's KV precision ({e.kv_dtype_name} here); 'paged, KV X' "
+             "rows the same pool in each other precision.",
              f"'none' only at contexts {none_contexts} with {NONE_STEPS} steps: each of its steps reruns the whole "
              "context (the recompute benchmark measures it in full)."]
     others, more_notes = peers.external_peers(ctx, pool_tokens)
@@ -77,9 +81,10 @@ def kv_bytes_per_token(ctx: BenchContext) -> dict[str, float]:
     """Bytes of keys and values per token each runner reads (paged-int8 measured: int8 plus its scales;
     llama.cpp: its default float16 cache)."""
     e = ctx.engine
-    full = e.model_config.kv_bytes_per_token(torch.tensor([], dtype=e.dtype).element_size())
+    full = bytes_per_token(e.model_config, e.kv_dtype_name, 16)  # contiguous and paged: the engine's KV precision
     int8 = make_cache(e, "paged-int8", block_size=16, pool_tokens=16)
-    return {"none": full, "contiguous": full, "paged": full, "paged-int8": int8.bytes_per_block() / 16,
+    kv_rows = {kv_row("paged", kv): bytes_per_token(e.model_config, kv, 16) for kv in PRECISIONS}
+    return {**kv_rows, "none": full, "contiguous": full, "paged": full, "paged-int8": int8.bytes_per_block() / 16,
             "transformers": full, "llama.cpp": e.model_config.kv_bytes_per_token(2),
             **{weights_row(f): full for f in WEIGHT_FORMATS}}
 

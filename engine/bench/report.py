@@ -24,6 +24,15 @@ PALETTE = {
     "paged, reuse": "#2ca02c",
     "paged, prefix cache across conversations": "#ff7f0e",
     "paged-int8": "#bcbd22",
+    "paged, KV float32": "#2ca02c",
+    "paged, KV bfloat16": "#1f77b4",
+    "paged, KV float16": "#aec7e8",
+    "paged, KV int8": "#bcbd22",
+    "paged, KV int4": "#e377c2",
+    "engine KV bfloat16 vs float32": "#1f77b4",
+    "engine KV float16 vs float32": "#aec7e8",
+    "engine KV int8 vs float32": "#bcbd22",
+    "engine KV int4 vs float32": "#e377c2",
     "paged, float32 weights": "#8c564b",
     "paged, bfloat16 weights": "#e377c2",
     "paged, int8 weights": "#17becf",
@@ -36,6 +45,17 @@ PALETTE = {
     "engine paged-int8 vs paged": "#bcbd22",
     "transformers fp8 cache vs dynamic": "#e377c2",
 }
+
+
+def kv_row(layout: str, kv: str) -> str:
+    """The name of the row that runs `layout` with keys and values stored in precision `kv` (decode, step)."""
+    return f"{layout}, KV {kv}"
+
+
+def parse_kv_row(name: str) -> tuple[str, str | None]:
+    """kv_row's inverse: (layout, precision); a plain strategy name gives (name, None)."""
+    layout, _, kv = name.partition(", KV ")
+    return layout, kv or None
 
 
 def weights_row(fmt: str) -> str:

@@ -27,7 +27,7 @@ from engine.bench.peers import llama_cpp_status
 CONTEXTS, QUICK_CONTEXTS = (512, 2048, 4096), (512, 2048)
 THREADS = (1, 2)
 ROUNDS, TURN = 6, 8
-STRATEGIES = ("paged", "contiguous", "paged-int8")
+STRATEGIES = ("paged", "contiguous", "paged-int8", "paged, KV bfloat16", "paged, KV int4")  # paged: the engine's KV
 BATCH = 8
 PROFILE_TOP = 12
 

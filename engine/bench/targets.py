@@ -158,10 +158,36 @@ def step_targets(r: dict) -> list[Target]:
             out.append(_check(f"paged-int8 / paged latency, {key.replace('t/', ' thread(s), context ')}",
                               _div(lat.get("paged-int8"), lat.get("paged")), "<=", 0.9, "x",
                               f"paged-int8 {fmt(lat.get('paged-int8'))} ms vs paged {fmt(lat.get('paged'))} ms"))
+    for key, lat in r.get("latency_ms", {}).items():  # issue 17: the quantized precisions read fewer bytes
+        if int(key.split("/")[1]) >= 4096:
+            bf16 = lat.get("paged, KV bfloat16")
+            for name, goal in (("paged, KV int4", 0.8), ("paged-int8", 0.9)):
+                out.append(_check(f"{name} / paged, KV bfloat16 latency, {key.replace('t/', ' thread(s), context ')}",
+                                  _div(lat.get(name), bf16), "<=", goal, "x",
+                                  f"{name} {fmt(lat.get(name))} ms vs bfloat16 {fmt(bf16)} ms (alternating)"))
     b = r.get("batch", {})
     out.append(_check(f"a step of {b.get('batch')} sequences at {b.get('context')} tokens / one sequence's",
                       b.get("batch_over_one"), "<=", 2.5, "x",
                       f"{fmt(b.get('batch_ms'))} ms vs {fmt(b.get('one_ms'))} ms"))
+    return out
+
+
+# ---- quality (issue 17: each KV precision against a float32 cache)
+QUALITY_BOUNDS = {"bfloat16": (0.0005, None), "float16": (0.0005, None), "int8": (0.0005, 0.985),
+                  "int4": (0.0047, 0.97)}  # mean KL (nats), top-1 agreement
+
+
+def quality_targets(r: dict) -> list[Target]:
+    out = []
+    for kv, (kl, top1) in QUALITY_BOUNDS.items():
+        c = r.get(f"engine KV {kv} vs float32")
+        if not isinstance(c, dict):
+            continue
+        why = f"{c['positions']} positions, perplexity {fmt(c['perplexity_quantized'])} vs {fmt(c['perplexity_full'])}"
+        out.append(_check(f"KV {kv}: mean KL vs a float32 cache (nats)", c["mean_kl"], "<=", kl, "", why))
+        if top1 is not None:
+            out.append(_check(f"KV {kv}: top-1 agreement with a float32 cache", c["top1_agreement"], ">=", top1, "",
+                              why, pct_units=True))
     return out
 
 
@@ -209,7 +235,7 @@ def _greedy_counts(greedy: dict) -> tuple[int, int]:
 
 
 EVALUATORS: dict[str, Callable[[dict], list[Target]]] = {
-    "step": step_targets, "serve": serve_targets,
+    "step": step_targets, "serve": serve_targets, "quality": quality_targets,
     "decode": decode_targets, "prefill": prefill_targets, "turns": turns_targets, "concurrency": concurrency_targets,
 }
 

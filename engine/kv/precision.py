@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 
 from engine import kernels
-from engine.config import KV_DTYPES
 from engine.machine import cpu_model
 from engine.weights.convert import _read_choices, _write_choices
 
