@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from PySide6.QtCore import QEvent, QObject, QSettings, Qt, Signal, Slot
+from PySide6.QtCore import QEvent, QObject, QSettings, QSize, Qt, Signal, Slot
 from PySide6.QtWidgets import (
     QHBoxLayout,
     QInputDialog,
@@ -29,7 +29,7 @@ from app import storage
 from app.conversation_store import ConversationStore, Entry, default_folder
 from app.step_log import StepLog
 
-MIN_WIDTH = 180
+MIN_WIDTH = 180  # narrower than this beside the other panes' minimums, the sidebar folds away
 OPEN_WIDTH = 210  # the sidebar's width when it opens again
 ID_ROLE = Qt.ItemDataRole.UserRole
 
@@ -78,7 +78,6 @@ class ConversationList(QWidget):
         for widget in (self.new_button, self.search, self.list):
             layout.addWidget(widget)
         layout.addLayout(buttons)
-        self.setMinimumWidth(MIN_WIDTH)
         self.new_button.clicked.connect(self.new_requested)
         self.search.textChanged.connect(self.search_changed)
         self.list.itemActivated.connect(lambda item: self.open_requested.emit(item.data(ID_ROLE)))
@@ -87,6 +86,10 @@ class ConversationList(QWidget):
         self.rename_button.clicked.connect(lambda: self._ask(self.rename_requested))
         self.delete_button.clicked.connect(lambda: self._ask(self.delete_requested))
         self._enable_buttons()
+
+    def minimumSizeHint(self) -> QSize:  # noqa: N802 (Qt override)
+        """No minimum width: the sidebar folds away (SidebarFit) rather than widening the window's minimum."""
+        return QSize(0, super().minimumSizeHint().height())
 
     def keyPressEvent(self, event) -> None:  # noqa: N802 (Qt override)
         if event.key() == Qt.Key.Key_F2:
