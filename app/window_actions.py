@@ -33,7 +33,9 @@ class WindowActions:
                 message.reply = saved.replies[i]
                 message.set_footer(w.reply_footer(done))
         w.chat.clear_error()
+        w.metrics.clear()  # the opened conversation's plots start empty, as a new chat's
         w.metrics.new_conversation()
+        w.conversations.new_chat_started()  # it joins the conversation list as a new entry
         w.status.new_conversation()
         w.client.open_conversation(conv)
         w.status.showMessage(f"Opened {path}", 4000)

@@ -252,3 +252,15 @@ def test_another_conversation_cannot_be_opened_while_a_reply_streams(qtbot, wind
     finally:
         window.generating = False
     assert window.conversations.current is None
+
+
+def test_file_open_of_an_old_file_starts_empty_plots_and_joins_the_list(qtbot, window, tmp_path):
+    send(qtbot, window, "Before the file")
+    v1_file(tmp_path / "old.json", [("user", "From an old file"), ("assistant", "An old reply")])
+
+    assert window.actions_.open_file(str(tmp_path / "old.json"))
+    qtbot.waitUntil(lambda: len(window.conversations.store.entries()) == 2, timeout=60_000)
+
+    assert window.metrics.log.rows == [] and plotted_points(window) == 0
+    assert window.chat.message_texts() == [("user", "From an old file"), ("assistant", "An old reply")]
+    assert window.conversations.store.entries()[0].title == "From an old file"
