@@ -10,7 +10,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +43,30 @@ class LoadedWeights:
     tokenizer: object
     source: str
     file_bytes: int = 0  # the size of the weights file(s) the model was read from
+    gguf_types: dict[str, str] = field(default_factory=dict)  # tensor -> its GGUF block type (from a GGUF file)
+
+    @property
+    def report(self) -> str:
+        """Which tensors kept their integers and which were converted (empty when not read from a GGUF)."""
+        return tensor_report(self.gguf_types)
+
+
+GGUF_TYPES_FILE = "kvscope-gguf-tensors.json"  # in a converted folder: each tensor's block type in the GGUF
+
+
+def tensor_report(gguf_types: dict[str, str]) -> str:
+    """'kept as int4: 12 (Q4_K 10, Q4_0 2); kept as int8: 3 (Q6_K 3); dequantized: 1 (Q3_K 1)' (2-D tensors)."""
+    from engine.weights.gguf_blocks import outcome
+
+    by_outcome: dict[str, dict[str, int]] = {}
+    for kind in gguf_types.values():
+        kinds = by_outcome.setdefault(outcome(kind), {})
+        kinds[kind] = kinds.get(kind, 0) + 1
+    parts = []
+    for what, kinds in sorted(by_outcome.items()):
+        detail = ", ".join(f"{k} {n}" for k, n in sorted(kinds.items()))
+        parts.append(f"{what}: {sum(kinds.values())} ({detail})")
+    return "; ".join(parts)
 
 
 def _quiet(message: str, fraction: float | None) -> None:
@@ -123,7 +147,16 @@ def load_hf_folder(folder: Path, progress: Progress, weight_format: str | None =
     progress("loading the tokenizer", 0.9)
     tokenizer = _load_tokenizer(folder)
     progress("loaded", 1.0)
-    return LoadedWeights(folder.name, config, state, tokenizer, str(folder), sum(f.stat().st_size for f in files))
+    return LoadedWeights(folder.name, config, state, tokenizer, str(folder), sum(f.stat().st_size for f in files),
+                         _read_gguf_types(folder))
+
+
+def _read_gguf_types(folder: Path) -> dict[str, str]:
+    try:
+        types = json.loads((folder / GGUF_TYPES_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in types.items()} if isinstance(types, dict) else {}
 
 
 def _read_config(folder: Path) -> ModelConfig:
@@ -271,8 +304,10 @@ def convert_gguf(path: Path, target: Path, progress: Progress) -> None:
         progress(f"reading the tokenizer of {path.name}", 0.05)
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         progress(f"reading the weights of {path.name} (once; later starts use the cache)", 0.3)
-        state = read_gguf_weights(path, config)
+        types: dict[str, str] = {}
+        state = read_gguf_weights(path, config, types)
         progress("writing the cache", 0.8)
+        (staging / GGUF_TYPES_FILE).write_text(json.dumps(types, indent=1))
         save_file(stored_tensors(state), str(staging / "model.safetensors"))
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         tokenizer.save_pretrained(str(staging))
@@ -301,9 +336,11 @@ def _publish(staging: Path, target: Path) -> None:
             raise
 
 
-def read_gguf_weights(path: Path, config: dict) -> dict[str, torch.Tensor | QuantizedWeight]:
+def read_gguf_weights(path: Path, config: dict,
+                      types: dict[str, str] | None = None) -> dict[str, torch.Tensor | QuantizedWeight]:
     """Every tensor the model uses, under Hugging Face names and conventions: q/k rows back in Hugging Face's
-    rotary order (llama, mistral), Gemma's norms without the 1 llama.cpp adds (Hugging Face applies 1 + w)."""
+    rotary order (llama, mistral), Gemma's norms without the 1 llama.cpp adds (Hugging Face applies 1 + w).
+    types, if given, receives each 2-D tensor's GGUF block type."""
     from gguf import GGUFReader
 
     from engine.weights.gguf_blocks import gguf_tensor, hf_name, take_rows, unpermute_rows
@@ -327,4 +364,6 @@ def read_gguf_weights(path: Path, config: dict) -> dict[str, torch.Tensor | Quan
         if family.norm_offset and name.endswith("norm.weight"):
             weight = weight - family.norm_offset
         state[name] = weight
+        if types is not None and len(tensor.shape) == 2:
+            types[name] = tensor.tensor_type.name
     return state

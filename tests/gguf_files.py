@@ -172,7 +172,7 @@ def write_model_gguf(path: Path, arch: str, hf_config: dict, state: dict[str, to
         if kind == T.F32:
             writer.add_tensor(target, w)
         else:
-            writer.add_tensor(target, gguf.quants.quantize(w, kind), raw_dtype=kind)
+            writer.add_tensor(target, quantize_blocks(w, kind), raw_dtype=kind)
     for target, w in (extra_tensors or {}).items():
         writer.add_tensor(target, w.astype(np.float32))
     writer.write_header_to_file()
@@ -230,3 +230,63 @@ def _full_attention_theta(c: dict) -> float:
     rope = c.get("rope_parameters") or {}
     rope = rope.get("full_attention", rope)
     return rope.get("rope_theta", c.get("rope_theta", 10000.0))
+
+
+# ---- K-quant blocks as llama.cpp lays them out (gguf-py reads them but cannot write them) --------------------
+
+
+def quantize_blocks(w: np.ndarray, kind: T) -> np.ndarray:
+    """[N, K] float32 -> the GGUF bytes of `kind` (Q4_K and Q6_K here, the rest through gguf-py)."""
+    if kind == T.Q4_K:
+        return quantize_q4_k(w)
+    if kind == T.Q6_K:
+        return quantize_q6_k(w)
+    return gguf.quants.quantize(w, kind)
+
+
+def _f16_bytes(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16)[..., None].view(np.uint8).reshape(*x.shape, 2)
+
+
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """Q4_K: per 256 values d, dmin (float16), eight 6-bit (scale, min) pairs packed in 12 bytes, 128 bytes of
+    nibbles (sub-blocks 2i and 2i+1 in the low and high nibbles of the same 32 bytes). -> [N, K/256*144]."""
+    n, k = w.shape
+    sub = w.reshape(n, k // 256, 8, 32).astype(np.float32)
+    lo = np.minimum(sub.min(-1), 0)  # value = d*sc*q - dmin*m with m >= 0: a sub-block's minimum is <= 0
+    step = (sub.max(-1) - lo) / 15
+    d = np.maximum(step.max(-1), 1e-8) / 63
+    dmin = np.maximum((-lo).max(-1), 1e-8) / 63
+    d16, dmin16 = d.astype(np.float16).astype(np.float32), dmin.astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(step / d16[..., None]), 1, 63).astype(np.uint8)
+    m = np.clip(np.round(-lo / dmin16[..., None]), 0, 63).astype(np.uint8)
+    scale = (d16[..., None] * sc)[..., None]
+    q = np.clip(np.round((sub + (dmin16[..., None] * m)[..., None]) / scale), 0, 15).astype(np.uint8)
+    packed = np.empty((n, k // 256, 12), dtype=np.uint8)
+    packed[..., 0:4] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
+    packed[..., 4:8] = m[..., :4] | ((m[..., 4:] >> 4) << 6)
+    packed[..., 8:12] = (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)
+    pairs = q.reshape(n, k // 256, 4, 2, 32)
+    qs = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).reshape(n, k // 256, 128)
+    blocks = np.concatenate([_f16_bytes(d), _f16_bytes(dmin), packed, qs], axis=-1)
+    return blocks.reshape(n, -1)
+
+
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """Q6_K: per 256 values 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d (float16);
+    value = d * sc * (q - 32). -> [N, K/256*210]."""
+    n, k = w.shape
+    groups = w.reshape(n, k // 256, 16, 16).astype(np.float32)
+    step = np.abs(groups).max(-1) / 31
+    d = np.maximum(np.abs(step).max(-1), 1e-8) / 127
+    d16 = d.astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(step / d16[..., None]), 1, 127).astype(np.int8)
+    q = np.clip(np.round(groups / (d16[..., None] * sc)[..., None]), -32, 31).astype(np.int16) + 32
+    q = q.astype(np.uint8).reshape(n, k // 256, 2, 4, 32)  # [.., half, k, l] in value order
+    low, high = q & 15, q >> 4
+    ql = np.concatenate([low[:, :, :, 0] | (low[:, :, :, 2] << 4), low[:, :, :, 1] | (low[:, :, :, 3] << 4)],
+                        axis=-1)  # [N, B, 2, 64]
+    qh = high[:, :, :, 0] | (high[:, :, :, 1] << 2) | (high[:, :, :, 2] << 4) | (high[:, :, :, 3] << 6)
+    blocks = np.concatenate([ql.reshape(n, -1, 128), qh.reshape(n, -1, 64), sc.view(np.uint8),
+                             _f16_bytes(d)], axis=-1)
+    return blocks.reshape(n, -1)

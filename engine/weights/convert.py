@@ -56,6 +56,26 @@ def to_format(weight: Weight, fmt: str, name: str = "") -> Weight:
     return quantize_int8(dense(weight)) if bits == 8 else quantize_int4(dense(weight))
 
 
+PRECISION = ("int4", "int8", "bfloat16", "float32")  # least to most precise
+# the least precise kvscope format that holds a GGUF type's values without losing what the file has
+FILE_FLOOR = {"F32": "float32", "F16": "bfloat16", "BF16": "bfloat16", "Q8_0": "int8", "Q6_K": "int8",
+              "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8", "Q8_K": "int8"}  # others: int4 (4 bits or fewer)
+
+
+def at_least_the_file(fmt: str, gguf_type: str | None) -> str:
+    """`fmt`, or the file's own precision where fmt is below it (auto never stores a tensor below its file:
+    a Q8_0 or Q6_K tensor stays int8 when auto picks int4; F16 stays at least bfloat16)."""
+    if gguf_type is None or fmt not in PRECISION:
+        return fmt
+    floor = FILE_FLOOR.get(gguf_type, "int4")
+    return floor if PRECISION.index(floor) > PRECISION.index(fmt) else fmt
+
+
+def to_auto_format(state: dict[str, Weight], fmt: str, gguf_types: dict[str, str]) -> dict[str, Weight]:
+    """Every weight in auto's choice `fmt`, each tensor never below the precision its GGUF file gave it."""
+    return {n: to_format(w, at_least_the_file(fmt, gguf_types.get(n)), n) for n, w in state.items()}
+
+
 def module_weight(module: WeightLinear) -> Weight:
     """What a projection module holds, as a loader would hand it over."""
     if isinstance(module, FloatLinear):
