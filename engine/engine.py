@@ -26,7 +26,7 @@ from engine.kv.recompute import RecomputeCache
 from engine.model import LlamaModel
 from engine.sampler import Sampler
 from engine.speculative import Speculator
-from engine.weights.convert import apply_format, resolve_auto, to_format
+from engine.weights.convert import apply_format, resolve_auto, to_auto_format
 
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<|end|>")
 PREFILL_CHUNK = 1024
@@ -86,6 +86,7 @@ def _new_cache(strategy: str, engine: Engine, block_size: int, pool_tokens: int 
 
 class Engine:
     weights_file_bytes = 0  # the size of the file(s) the weights were read from, when loaded from disk
+    weights_report = ""  # a GGUF's tensors: which kept their integers, which were converted (loader)
     def __init__(self, model: LlamaModel, tokenizer, config: EngineConfig | None = None, name: str = "model"):
         self.config = config or EngineConfig()
         self.device = pick_device(self.config.device)
@@ -118,13 +119,14 @@ class Engine:
         weights = loader.load_weights(model, progress, fmt)
         if config.weights == "auto":
             fmt = resolve_auto(pick_device(config.device), largest_layer_shape(weights.config), loader.cache_root())
-            weights.state_dict = {n: to_format(w, fmt, n) for n, w in weights.state_dict.items()}
+            weights.state_dict = to_auto_format(weights.state_dict, fmt, weights.gguf_types)
             config = EngineConfig(**{**config.__dict__, "weights": fmt})
         max_positions = min(config.max_context or weights.config.max_position_embeddings,
                             weights.config.max_position_embeddings)
         net = LlamaModel.from_hf_state_dict(weights.config, weights.state_dict, max_positions)
         engine = cls(net, weights.tokenizer, config, weights.name)
         engine.weights_file_bytes = weights.file_bytes
+        engine.weights_report = weights.report  # which tensors kept their integers, which were converted
         del weights, net
         release_freed_memory()
         return engine
