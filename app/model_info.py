@@ -31,6 +31,7 @@ class ModelInfo:
     weight_format: str = "float32"  # how the projections are stored (int4, int8, bfloat16, float32)
     weights_bytes: int = 0  # the weights as they sit in memory
     weights_file_bytes: int = 0  # the file(s) they were read from (0: not read from a file)
+    weights_report: str = ""  # a GGUF's tensors: 'kept as int4: 12 (Q4_K 12); ...' (engine.weights_report)
     kv_dtype: str = ""  # the precision the active cache stores K/V in (float32 ... int4; "" for 'none')
     kv_dtype_setting: str = ""  # what Settings → KV precision asked for ("auto" or a precision; "": not set)
     precision_bytes: tuple[tuple[str, float], ...] = ()  # (precision, KV bytes per token, scales included)
@@ -49,6 +50,7 @@ class ModelInfo:
             block_size=engine.block_size, kv_bytes_per_element=strategy_bytes_per_element(engine),
             prefix_reuse=engine.config.prefix_reuse, weight_format=engine.weight_format,
             weights_bytes=engine.weights_resident_bytes, weights_file_bytes=engine.weights_file_bytes,
+            weights_report=getattr(engine, "weights_report", ""),
             kv_dtype=active_precision(engine), kv_dtype_setting=engine.config.kv_dtype or "",
             precision_bytes=precision_bytes_per_token(engine),
             kv_bytes_per_block=int(engine.cache.bytes_per_block()) if hasattr(engine.cache, "bytes_per_block") else 0,
@@ -67,7 +69,8 @@ class ModelInfo:
     def weights_text(self) -> str:
         """'int4 weights, 105 MiB' (and the file's size when it came from one): MiB, as everywhere in the app."""
         text = f"{self.weight_format} weights, {self.weights_bytes / 2**20:,.0f} MiB"
-        return text + (f" (file {self.weights_file_bytes / 2**20:,.0f} MiB)" if self.weights_file_bytes else "")
+        text += f" (file {self.weights_file_bytes / 2**20:,.0f} MiB)" if self.weights_file_bytes else ""
+        return text + (f"; GGUF tensors {self.weights_report}" if self.weights_report else "")
 
     @property
     def dtype_bytes(self) -> int:

@@ -228,3 +228,14 @@ def test_k_quant_logits_match_transformers_on_the_same_file(kquant_file, tmp_pat
     # llama.cpp's quantizer does); through two layers that measured 1.3e-3 of the logit range in float32
     assert (got - expected).abs().max().item() <= BOUNDS[fmt] * spread
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def test_about_and_the_status_bar_say_which_tensors_were_kept():
+    from app.model_info import ModelInfo
+
+    report = loader.tensor_report({"a": "Q4_K", "b": "Q6_K", "c": "Q3_K"})
+    info = ModelInfo("tiny", "cpu", "float32", 256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
+                     cache_strategy="paged", block_size=16, weight_format="int4", weights_bytes=2**20,
+                     weights_file_bytes=2**20, weights_report=report)
+    assert info.weights_text == ("int4 weights, 1 MiB (file 1 MiB); GGUF tensors dequantized: 1 (Q3_K 1); "
+                                 "kept as int4: 1 (Q4_K 1); kept as int8: 1 (Q6_K 1)")
