@@ -7,7 +7,10 @@ no wider than READABLE_CHARS characters, so lines stay readable when the side pa
 
 from __future__ import annotations
 
-from PySide6.QtCore import QEvent, Qt, Signal
+from collections.abc import Callable
+
+from PySide6.QtCore import QEvent, Qt, QTimer, Signal
+from PySide6.QtGui import QKeySequence, QShortcut
 from PySide6.QtWidgets import (
     QFrame,
     QHBoxLayout,
@@ -22,6 +25,7 @@ from PySide6.QtWidgets import (
 
 from app.message_widget import MessageWidget
 
+COUNT_DELAY_MS = 250  # the token count follows the typing, a quarter second behind
 MAX_INPUT_LINES = 8
 SEND_HINTS = ("Send a message  (Enter to send, Shift+Enter for a new line)", "Send a message  (Shift+Enter: new line)",
               "Send a message")
@@ -85,12 +89,15 @@ class ChatView(QWidget):
     send_requested = Signal(str)
     stop_requested = Signal()
     regenerate_requested = Signal()
-    edit_requested = Signal(str)
+    edit_requested = Signal(str, int)  # the new text, and the index of the user message edited
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
         self.messages: list[MessageWidget] = []
         self._generating = False
+        self.count_tokens: Callable[[str], int] | None = None  # the model's count of a message (set on load)
+        self.send_warning: Callable[[str, int], str] | None = None  # (text, tokens) -> a warning, or ""
+        self._warned_text: str | None = None  # a warned message is sent by a second Enter
         self.following = True  # the list keeps the latest message in view
         self.setMinimumWidth(340)
         self._build()
@@ -100,7 +107,7 @@ class ChatView(QWidget):
     def add_message(self, role: str, text: str) -> MessageWidget:
         widget = MessageWidget(role, text, self._list)
         widget.regenerate_clicked.connect(self.regenerate_requested.emit)
-        widget.edit_submitted.connect(self.edit_requested.emit)
+        widget.edit_submitted.connect(lambda text, w=widget: self.edit_requested.emit(text, self.messages.index(w)))
         row = QWidget(self.column)  # a widget, not a bare layout: see remove_last
         layout = QHBoxLayout(row)
         layout.setContentsMargins(0, 0, 0, 0)
@@ -158,6 +165,7 @@ class ChatView(QWidget):
     # --- state ----------------------------------------------------------------------------------------------------
     def set_generating(self, generating: bool) -> None:
         self._generating = generating
+        self.stop_shortcut.setEnabled(generating)  # Escape stops a reply; otherwise it is the editor's to cancel
         self.send_button.setText("Stop" if generating else "Send")
         self.send_button.setProperty("stop", generating)
         self.send_button.style().unpolish(self.send_button)
@@ -226,6 +234,9 @@ class ChatView(QWidget):
                                    alignment=Qt.AlignmentFlag.AlignCenter)
         self._list_layout.insertWidget(0, self._placeholder)
         self._build_jump_button()
+        self.stop_shortcut = QShortcut(QKeySequence("Escape"), self, self.stop_requested.emit,
+                                       context=Qt.ShortcutContext.WindowShortcut)
+        self.stop_shortcut.setEnabled(False)
         layout.addWidget(self._build_error_banner())
         layout.addWidget(self._build_input_row())
 
@@ -244,8 +255,10 @@ class ChatView(QWidget):
 
     def _build_input_row(self) -> QFrame:
         frame = QFrame(self, objectName="inputFrame")
-        row = QHBoxLayout(frame)
-        row.setContentsMargins(16, 10, 16, 12)
+        column = QVBoxLayout(frame)
+        column.setContentsMargins(16, 10, 16, 8)
+        column.setSpacing(4)
+        row = QHBoxLayout()
         self.input = ChatInput(frame)
         self.input.submitted.connect(self._submit)
         self.send_button = QPushButton("Send", frame, objectName="sendButton")
@@ -253,7 +266,33 @@ class ChatView(QWidget):
         self.send_button.clicked.connect(self._send_or_stop)
         row.addWidget(self.input, 1)
         row.addWidget(self.send_button, 0, Qt.AlignmentFlag.AlignBottom)
+        column.addLayout(row)
+        self.token_count = QLabel("", frame, objectName="muted", wordWrap=True)  # "12 tokens", or the warning
+        self.token_count.hide()
+        column.addWidget(self.token_count)
+        self._count_timer = QTimer(self, singleShot=True, interval=COUNT_DELAY_MS)
+        self._count_timer.timeout.connect(self.update_token_count)
+        self.input.document().contentsChanged.connect(self._count_timer.start)
         return frame
+
+    def update_token_count(self) -> int | None:
+        """Show the message's token count under the input (nothing while the model is unknown)."""
+        text = self.input.toPlainText()
+        if self.count_tokens is None or not text.strip():
+            self.token_count.hide()
+            return None
+        tokens = self.count_tokens(text)
+        if self._warned_text != text:
+            self._warned_text = None
+            self.token_count.setText(f"{tokens:,} tokens")
+        self.token_count.show()
+        return tokens
+
+    def _warning(self, text: str) -> str:
+        tokens = self.update_token_count()
+        if tokens is None or self.send_warning is None or self._warned_text == text:
+            return ""
+        return self.send_warning(text, tokens)
 
     def _send_or_stop(self) -> None:
         if self._generating:
@@ -265,15 +304,20 @@ class ChatView(QWidget):
         text = self.input.toPlainText().strip()
         if not text or self._generating or not self.input.isEnabled():
             return
+        warning = self._warning(self.input.toPlainText())
+        if warning:  # said once; a second Enter (or Send) sends it
+            self._warned_text = self.input.toPlainText()
+            self.token_count.setText(warning)
+            return
+        self._warned_text = None
         self.input.clear()
         self.send_requested.emit(text)
 
     def _refresh_actions(self) -> None:
         idle = not self._generating
-        last_user = max((i for i, m in enumerate(self.messages) if m.role == "user"), default=None)
         for i, message in enumerate(self.messages):
             last = i == len(self.messages) - 1
-            message.set_actions(edit=idle and i == last_user and i >= len(self.messages) - 2,
+            message.set_actions(edit=idle and message.role == "user",  # any: the chat continues from it
                                 regenerate=idle and last and message.role == "assistant")
 
     # --- following the latest message ---------------------------------------------------------------------------

@@ -26,9 +26,10 @@ class ChatRequests:
         self._regenerate.emit(self._requests, params)
         return self._requests
 
-    def edit_and_resend(self, text: str, params) -> int:
+    def edit_and_resend(self, text: str, params, index: int | None = None) -> int:
+        """Replace the user message at `index` (None: the last) with `text`, drop what follows, and answer it."""
         self._requests += 1
-        self._edit.emit(self._requests, text, params)
+        self._edit.emit(self._requests, -1 if index is None else index, text, params)
         return self._requests
 
     def stop(self) -> None:
@@ -51,7 +52,7 @@ class EngineClient(QObject, ChatRequests):
     _use_engine = Signal(object)
     _generate = Signal(int, str, object)
     _regenerate = Signal(int, object)
-    _edit = Signal(int, str, object)
+    _edit = Signal(int, int, str, object)
     _set_cache = Signal(str, int)
     _set_prefix_reuse = Signal(bool)
     _set_weights = Signal(str)

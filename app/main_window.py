@@ -134,7 +134,10 @@ class MainWindow(QMainWindow):
         m.model_default.triggered.connect(lambda: self.load_model(None))
         m.show_side_panel.toggled.connect(self._set_side_panel)
         m.clear_plots.triggered.connect(self.metrics.clear)
-        m.about.triggered.connect(lambda: QMessageBox.about(self, "About kvscope", about_html(self.info)))
+        m.about.triggered.connect(self._show_about)
+        m.speculative_group.triggered.connect(lambda _a: self.status.set_speculation(self.settings.speculative))
+        QApplication.instance().focusWindowChanged.connect(self._on_focus_window)
+        self.status.set_speculation(self.settings.speculative)
 
     def _connect_worker(self) -> None:
         s = self.client.signals
@@ -168,26 +171,54 @@ class MainWindow(QMainWindow):
         self._start_reply()
         self.client.regenerate(self.sampling_params())
 
-    def edit_and_resend(self, text: str) -> None:
+    def edit_and_resend(self, text: str, index: int | None = None) -> None:
+        """Replace the user message at `index` (None: the last) with `text` and answer it: the chat continues from
+        it, so the turns after it leave (with their points in the plots); the history before it keeps its cache."""
+        messages = self.chat.messages
+        if index is None:
+            index = max((i for i, m in enumerate(messages) if m.role == "user"), default=None)
+        if index is None or messages[index].role != "user":
+            return
         self._sent_text = text
-        if self.chat.messages and self.chat.messages[-1].role == "assistant":
+        replaced = sum(1 for m in messages[index:] if m.role == "user")  # this turn and the ones after it
+        while len(messages) > index + 1:
             self.chat.remove_last()
-        if self.chat.messages and self.chat.messages[-1].role == "user":
-            self.chat.messages[-1].set_text(text)
-        self.metrics.begin_turn(replaces_last=True)  # the old reply's points leave the plots
+        messages[index].set_text(text)
+        self.metrics.begin_turn(replaces=replaced)  # their points leave the plots
         self._start_reply()
-        self.client.edit_and_resend(text, self.sampling_params())
+        self.client.edit_and_resend(text, self.sampling_params(), index)
 
     def sampling_params(self):
         """The SamplingParams for the next turn: the Sampling dialog's saved values unless overridden."""
         return self.sampling_override or self.settings.sampling
 
     def stop(self) -> None:
+        if not self.generating:
+            return
         self.client.stop()
-        self.status.showMessage("Stopping…", 2000)
+        self.status.showMessage("Stopping…")  # until the reply has ended (_on_finished, _on_error)
+
+    def _show_about(self) -> None:
+        QMessageBox.about(self, "About kvscope", about_html(self.info))
+        self.restore_focus()
+
+    def restore_focus(self) -> None:
+        """After a dialog: this window is active again (its shortcuts work) and the input has the focus."""
+        self.activateWindow()
+        if self.chat.input.isEnabled():
+            self.chat.input.setFocus(Qt.FocusReason.OtherFocusReason)
+
+    def _on_focus_window(self, window) -> None:
+        """Any dialog (or file dialog) closed and the focus came back to this window without a widget: the
+        input takes it, so typing and shortcuts go on working without a click."""
+        if window is not None and window is self.windowHandle():
+            focused = QApplication.focusWidget()
+            if focused is None or not self.isAncestorOf(focused):
+                self.restore_focus()
 
     def _start_reply(self) -> None:
         self.status.start_reply()
+        self.status.set_speculation(self.sampling_params().speculative)
         self.chat.clear_error()
         self.chat.add_message("assistant", "")
         self._set_generating(True)
@@ -281,6 +312,48 @@ class MainWindow(QMainWindow):
         self.block_map.set_precision(info.kv_dtype)
         self.menus.set_busy(self.generating)
         self.chat.set_input_enabled(True)
+        self._count_with(info)
+
+    def _count_with(self, info) -> None:
+        """The input box counts the message's tokens with this model, and warns before a message that would fill
+        more than half of the context left."""
+        count = getattr(info, "count_prompt", None)
+        if count is None:
+            self.chat.count_tokens = self.chat.send_warning = None
+            return
+        empty = count(None, [("user", "")])  # the template's own tokens around a message
+        self.chat.count_tokens = lambda text: count(None, [("user", text)]) - empty
+        self.chat.send_warning = self.send_warning
+        self.chat.update_token_count()
+
+    def send_warning(self, text: str, tokens: int) -> str:
+        """'' when the message takes at most half of the context left; else what it takes and which old turns
+        would leave the model's view to make room."""
+        info = self.info
+        left = info.max_context - self.status.context_used
+        if 2 * tokens <= left:
+            return ""
+        leaving = self._turns_that_would_leave(text)
+        which = ""
+        if leaving:
+            first = leaving[0][:40] + ("…" if len(leaving[0]) > 40 else "")
+            which = f" To make room, the {len(leaving)} oldest turns (from \"{first}\") would leave the model's view."
+        return (f"This message is {tokens:,} tokens: {tokens / max(left, 1):.0%} of the {left:,} tokens left in the "
+                f"context.{which} Press Enter again to send it anyway.")
+
+    def _turns_that_would_leave(self, text: str) -> list[str]:
+        """The first user message of each old turn the engine would drop to fit this message and a reply (the
+        same rule as engine.chat.fit_to_context, counted here with the model's tokenizer)."""
+        info, snapshot = self.info, self.snapshot or {}
+        messages = [(m["role"], m["content"]) for m in snapshot.get("messages", [])]
+        visible = messages[int(snapshot.get("context_start", 0)):] + [("user", text)]
+        reserve = min(self.sampling_params().max_new_tokens, info.max_context // 4)
+        system, leaving = snapshot.get("system_prompt"), []
+        while len(visible) > 1 and info.count_prompt(system, visible) + reserve > info.max_context:
+            step = 2 if len(visible) >= 3 and visible[0][0] == "user" and visible[1][0] == "assistant" else 1
+            leaving.append(visible[0][1])
+            visible = visible[step:]
+        return leaving
 
     def _on_step(self, event) -> None:
         self.metrics.add_step(event)
@@ -294,13 +367,19 @@ class MainWindow(QMainWindow):
             message.set_footer(_footer(done, self.configuration_footer()))
             message.reply = reply_record(done)  # what File → Save keeps of it
         self._refresh_live()
+        self._end_stopping("Stopped: the reply so far is kept" if done.finish_reason == "cancelled" else "")
         self.status.set_done(done)
         self.status.set_context(done.n_prompt_tokens + done.n_generated_tokens)
         self.metrics.turn_finished(done)
         self._set_generating(False)
 
+    def _end_stopping(self, message: str) -> None:
+        if self.status.currentMessage().startswith("Stopping"):
+            self.status.set_idle(message)
+
     def _on_error(self, message: str) -> None:
         self.chat.show_error(message)
+        self._end_stopping("")
         if self.loading:
             self.loading = False
             self.status.hide_progress()

@@ -162,6 +162,8 @@ class Menus:
         dialog = DraftTokensDialog(settings.max_draft_tokens, self.window)
         if dialog.exec():
             settings.max_draft_tokens = dialog.value()
+            self.window.status.set_speculation(settings.speculative)
+        self.window.restore_focus()
 
     def _ask_kv_budget(self) -> None:
         settings = self.window.settings
@@ -169,6 +171,7 @@ class Menus:
         dialog = KVBudgetDialog(settings.kv_budget_mib, self.window, minimum)
         if dialog.exec():
             self.window.set_kv_budget(dialog.value())
+        self.window.restore_focus()
 
     def _view(self, menu: QMenu) -> None:
         self.show_side_panel = self._action(menu, "Show side &panel", "Ctrl+B", checkable=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from PySide6.QtCore import QTimer, QUrl, Signal
-from PySide6.QtGui import QGuiApplication
+from PySide6.QtCore import Qt, QTimer, QUrl, Signal
+from PySide6.QtGui import QGuiApplication, QKeySequence, QShortcut
 from PySide6.QtWidgets import (
     QFrame,
     QHBoxLayout,
@@ -29,7 +29,13 @@ def speculation_footer(done) -> list[str]:
     """The footer's speculative-decoding part of a reply: tokens per decode step and drafts accepted (or nothing)."""
     if not getattr(done, "n_drafted", 0):
         return []
-    return [f"{done.tokens_per_step:.2f} tokens/step", f"{done.acceptance_rate:.0%} of drafts accepted"]
+    return [f"{done.tokens_per_step:.2f} tokens per decode step", f"{done.acceptance_rate:.0%} of drafts accepted"]
+
+
+TOKENS_PER_STEP_TIP = ("tokens per decode step: how many tokens each forward of the model produced on average. "
+                       "Plain decoding makes 1; speculative decoding drafts tokens and keeps the ones the model "
+                       "agrees with, so a step can make several (the reply is the same either way)")
+FOCUS_RING = "QToolButton:focus { border: 2px solid #8ab4f8; border-radius: 4px; }"
 
 
 class MessageBrowser(QTextBrowser):
@@ -40,6 +46,7 @@ class MessageBrowser(QTextBrowser):
         self.setOpenExternalLinks(False)
         self.setOpenLinks(False)
         self.setFrameShape(QFrame.Shape.NoFrame)
+        self.setTabChangesFocus(True)  # Tab moves on to the message's actions, never stops inside the text
         self.setVerticalScrollBarPolicy(self.verticalScrollBarPolicy().ScrollBarAlwaysOff)
         self.setHorizontalScrollBarPolicy(self.horizontalScrollBarPolicy().ScrollBarAlwaysOff)
         self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
@@ -100,6 +107,11 @@ class MessageWidget(QFrame):
     def set_footer(self, text: str) -> None:
         self.footer.setText(text)
         self.footer.setVisible(bool(text))
+        self.footer.setToolTip(TOKENS_PER_STEP_TIP if "tokens per decode step" in text else "")
+
+    @property
+    def editing(self) -> bool:
+        return not self.edit_box.isHidden()
 
     def set_actions(self, *, edit: bool, regenerate: bool) -> None:
         self.edit_button.setVisible(edit and self.role == "user")
@@ -117,6 +129,8 @@ class MessageWidget(QFrame):
     def cancel_editing(self) -> None:
         self.edit_box.hide()
         self.browser.show()
+        if self.edit_button.isVisible():
+            self.edit_button.setFocus(Qt.FocusReason.OtherFocusReason)
 
     # --- building ----------------------------------------------------------------------------------------------
     def _build(self) -> None:
@@ -149,6 +163,8 @@ class MessageWidget(QFrame):
 
     def _tool_button(self, text: str, tip: str, slot) -> QToolButton:
         button = QToolButton(self, text=text, toolTip=tip, objectName="messageAction")
+        button.setFocusPolicy(Qt.FocusPolicy.StrongFocus)  # reached with Tab, with a visible ring
+        button.setStyleSheet(FOCUS_RING)
         button.clicked.connect(slot)
         return button
 
@@ -165,6 +181,10 @@ class MessageWidget(QFrame):
         cancel.clicked.connect(self.cancel_editing)
         self.resend_button = QPushButton("Save && send", box, objectName="primaryButton")
         self.resend_button.clicked.connect(self._submit_edit)
+        self.resend_button.setToolTip("Save the edit and send it (Ctrl+Enter); Escape cancels")
+        for keys in ("Ctrl+Return", "Ctrl+Enter"):
+            QShortcut(QKeySequence(keys), self.editor, self._submit_edit, context=Qt.ShortcutContext.WidgetShortcut)
+        QShortcut(QKeySequence("Escape"), self.editor, self.cancel_editing, context=Qt.ShortcutContext.WidgetShortcut)
         buttons.addWidget(cancel)
         buttons.addWidget(self.resend_button)
         layout.addLayout(buttons)

@@ -51,8 +51,19 @@ def verify_marker_sizes(tokens_produced: np.ndarray) -> np.ndarray:
 
 def _verify_brush(color: str):
     qcolor = QColor(color)
-    qcolor.setAlpha(150)
+    qcolor.setAlpha(230)
     return pg.mkBrush(qcolor)
+
+
+def verify_tip(x: float, y: float, data=None) -> str:
+    """The tooltip of a verify step's marker (y: log10 of its milliseconds per token produced)."""
+    return (f"speculative verify step at token {x:,.0f}: {10 ** y:,.1f} ms per token it produced\n"
+            "one forward checked the drafted tokens; the bigger the marker, the more it kept")
+
+
+def _make_hoverable(item: pg.PlotDataItem) -> None:
+    item.scatter.opts.update(hoverable=True, tip=verify_tip)
+    item.scatter.setAcceptHoverEvents(True)
 
 
 def _prefill_pen(color: str):
@@ -110,11 +121,16 @@ class MetricsPanel(QWidget):
         self.last_done = done
         self.refresh()
 
-    def begin_turn(self, replaces_last: bool = False) -> None:
+    def begin_turn(self, replaces_last: bool = False, replaces: int = 0) -> None:
         """Call as each turn starts. replaces_last: this turn replaces the last reply (Regenerate, Edit and send),
-        whose points then leave the plots and the CSV; the new reply is drawn in their place, in the same curve."""
-        if replaces_last and self._turn_marks:
-            self._rollback(self._turn_marks.pop())
+        whose points then leave the plots and the CSV; the new reply is drawn in their place, in the same curve.
+        replaces: this turn replaces that many of the latest turns (an earlier message edited: the chat
+        continues from it), whose points all leave."""
+        count = min(max(replaces, int(replaces_last)), len(self._turn_marks))
+        if count:
+            first = self._turn_marks[-count]
+            del self._turn_marks[-count:]
+            self._rollback(first)
         self._turn_marks.append(self.log.mark())
 
     def abandon_turn(self) -> None:
@@ -264,8 +280,11 @@ class MetricsPanel(QWidget):
             "allocated": pg.PlotDataItem(pen=_pen(color, 2), name=name, connect="finite"),
             "used": pg.PlotDataItem(pen=_pen(color, 1.5, Qt.PenStyle.DashLine), connect="finite"),
             "theoretical": pg.PlotDataItem(pen=_pen(color, 1.5, Qt.PenStyle.DotLine), connect="finite"),
-            "verify": pg.PlotDataItem(pen=None, symbol="o", symbolPen=None, symbolBrush=_verify_brush(color)),
+            "verify": pg.PlotDataItem(pen=None, symbol="o", symbolPen=_pen("#ffffff", 1.2, alpha=220),
+                                      symbolBrush=_verify_brush(color)),
         }
+        items["verify"].setZValue(2)  # above the decode line it sits on
+        _make_hoverable(items["verify"])
         items["prefill"].setZValue(-1)  # behind every line: a prefill never covers a series
         if name is not None:  # the legend's name follows what sets this configuration apart from the others
             items["decode"].series_label = items["allocated"].series_label = lambda: self.log.label(run)

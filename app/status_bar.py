@@ -34,7 +34,7 @@ class LiveReply:
 
 
 class StatusBar(QStatusBar):
-    FIELDS = ("model", "device", "strategy", "speed", "ttft", "context", "kv")
+    FIELDS = ("model", "device", "strategy", "speculation", "speed", "ttft", "context", "kv")
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
@@ -42,13 +42,17 @@ class StatusBar(QStatusBar):
         self.labels: dict[str, QLabel] = {}
         self.progress = QProgressBar(self, minimumWidth=160, maximumWidth=220, textVisible=False)
         self.progress.hide()
+        self.progress_text = QLabel("", self, objectName="status_progress")  # beside the bar: a temporary
+        self.progress_text.hide()  # message would hide the bar (QStatusBar hides its normal widgets meanwhile)
         self.addWidget(self.progress)
+        self.addWidget(self.progress_text)
         for name in self.FIELDS:
             label = QLabel("", self)
             label.setObjectName("statusStrong" if name in ("model", "strategy") else f"status_{name}")
             self.labels[name] = label
             self.addPermanentWidget(label)
         self.max_context = 0
+        self.context_used = 0  # tokens of the context in use, as last shown
         self.live: LiveReply | None = None
         self.set_model(None)
 
@@ -66,6 +70,22 @@ class StatusBar(QStatusBar):
         precision = f" · {info.kv_dtype_text}" if getattr(info, "kv_dtype_text", "") else ""
         self._set(model=info.model_name, device=f"{info.device} · {info.weights_text}",
                   strategy=f'<span style="color:{color};">■</span> {info.cache_strategy}{block}{precision}')
+
+    def set_speculation(self, config) -> None:
+        """Speculative decoding's state (a SpeculativeConfig): named while it is on, hidden while it is off."""
+        on = getattr(config, "enabled", False)
+        self._set(speculation=f"speculative: {config.mode} ≤ {config.max_draft_tokens}" if on else "")
+        self.labels["speculation"].setToolTip(
+            f"speculative decoding ({config.mode}): up to {config.max_draft_tokens} drafted tokens checked in one "
+            "forward per step; the reply is the same, faster when it repeats the context" if on else "")
+
+    def set_idle(self, message: str = "") -> None:
+        """After a stop: nothing is streaming any more; the message says how it ended."""
+        self.live = None
+        if message:
+            self.showMessage(message, 4000)
+        else:
+            self.clearMessage()
 
     def start_reply(self) -> None:
         """A reply begins: the last reply's figures give way to this one's, filled in as its steps arrive."""
@@ -92,6 +112,7 @@ class StatusBar(QStatusBar):
         self.set_context(0)
 
     def set_context(self, used: int) -> None:
+        self.context_used = used
         limit = max(self.max_context, 1)
         self._set(context=f"context {used:,} / {self.max_context:,} ({used / limit:.1%})")
 
@@ -99,17 +120,24 @@ class StatusBar(QStatusBar):
         self._set(kv=f"KV {human_bytes(kv.bytes_allocated)}")
 
     def show_progress(self, message: str, fraction: float) -> None:
+        """A bar (busy when fraction < 0) and its message, side by side, until hide_progress."""
+        self.clearMessage()  # a temporary message would hide the bar
         self.progress.show()
         if fraction < 0:
             self.progress.setRange(0, 0)  # busy indicator
         else:
             self.progress.setRange(0, 100)
             self.progress.setValue(int(fraction * 100))
-        self.showMessage(message)
+        self.progress_text.setText(message)
+        self.progress_text.show()
+
+    @property
+    def progress_message(self) -> str:
+        return self.progress_text.text() if self.progress.isVisibleTo(self) else ""
 
     def hide_progress(self) -> None:
         self.progress.hide()
-        self.clearMessage()
+        self.progress_text.hide()
 
     def _set(self, **texts: str) -> None:
         for name, text in texts.items():

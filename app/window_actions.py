@@ -70,17 +70,20 @@ class WindowActions:
     def ask_path(self, action, save: bool, file_filter: str = CONVERSATION_FILTER) -> None:
         ask = QFileDialog.getSaveFileName if save else QFileDialog.getOpenFileName
         path, _ = ask(self.window, "Save" if save else "Open", "", file_filter)
+        self.window.restore_focus()
         if path:
             action(path)
 
     # --- model ------------------------------------------------------------------------------------------------------
     def choose_gguf(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self.window, "Choose a GGUF model", "", "GGUF model (*.gguf)")
+        self.window.restore_focus()
         if path:
             self.window.load_model(path)
 
     def choose_folder(self) -> None:
         path = QFileDialog.getExistingDirectory(self.window, "Choose a Hugging Face model folder")
+        self.window.restore_focus()
         if path:
             self.window.load_model(path)
 
@@ -90,11 +93,13 @@ class WindowActions:
         dialog = SamplingDialog(settings.sampling, self.window)
         if dialog.exec():
             settings.sampling = dialog.params()
+        self.window.restore_focus()
 
     def edit_system_prompt(self) -> None:
         dialog = SystemPromptDialog(self.window.settings.system_prompt, self.window)
         if dialog.exec():
             self.set_system_prompt(dialog.prompt())
+        self.window.restore_focus()
 
     def set_system_prompt(self, prompt: str) -> None:
         self.window.settings.system_prompt = prompt

@@ -17,6 +17,17 @@ from engine.config import EngineConfig
 from engine.events import DoneEvent, StepEvent, TrimEvent
 
 
+def keep_until(conv: Conversation, index: int) -> None:
+    """Drop the user message at `index` (-1: the last user message, with the reply after it) and all after it."""
+    messages = conv.messages
+    if index < 0:
+        index = max((i for i, m in enumerate(messages) if m.role == "user"), default=len(messages))
+    if not 0 <= index < len(messages) or messages[index].role != "user":
+        raise ValueError(f"message {index} is not a user message of this conversation")
+    del messages[index:]
+    conv.context_start = min(conv.context_start, index)
+
+
 def advice(error: Exception) -> str:
     """What the user can do about a failed turn, where the engine's message names only the cause."""
     if type(error).__name__ == "KVCacheFull":  # engine.kv.base.KVCacheFull, not imported here: torch loads late
@@ -129,16 +140,15 @@ class EngineWorker(QObject):
     def regenerate(self, request: int, params) -> None:
         self._run(request, lambda: self.engine.generate(self.conv, None, params))
 
-    @Slot(int, str, object)
-    def edit_and_resend(self, request: int, text: str, params) -> None:
-        """Replace the last user message (and the reply after it) with `text`, then answer it."""
-        snapshot = self.conv.snapshot()
-        messages = self.conv.messages
-        if messages and messages[-1].role == "assistant":
-            messages.pop()
-        if messages and messages[-1].role == "user":
-            messages.pop()
-        self._run(request, lambda: self.engine.generate(self.conv, text, params), snapshot)
+    @Slot(int, int, str, object)
+    def edit_and_resend(self, request: int, index: int, text: str, params) -> None:
+        """Replace the user message at `index` (-1: the last) with `text`, drop what follows it, and answer it:
+        the history before it keeps its cache (prefix reuse), the rest is computed anew."""
+        def events():
+            keep_until(self.conv, index)
+            return self.engine.generate(self.conv, text, params)
+
+        self._run(request, events, self.conv.snapshot())
 
     @Slot(str, int)
     def set_cache(self, strategy: str, block_size: int) -> None:

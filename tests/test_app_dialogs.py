@@ -28,7 +28,7 @@ def test_a_block_size_chosen_in_the_menu_is_used_and_remembered(qtbot, window):
         window.menus.block_sizes[32].trigger()
 
     assert loaded.args[0].block_size == 32 and window.settings.block_size == 32
-    assert window.status.text("strategy").endswith("paged · 32")
+    assert f"paged · 32 · {window.info.kv_dtype}" in window.status.text("strategy")  # strategy, block, precision
     with Catch(qtbot, window.client.signals.stats, timeout=10_000) as stats:
         window.menus.new_chat.trigger()
     assert stats.args[0].block_size == 32

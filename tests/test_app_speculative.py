@@ -66,7 +66,7 @@ def test_a_speculative_reply_shows_its_verify_steps_acceptance_and_tokens_per_st
     x, y = window.metrics.curve("paged", "verify")
     assert list(x) == [e.pos for e in verify]
     assert np.allclose(y, [e.latency_ms / e.n_produced for e in verify])
-    assert "tokens/step" in window.chat.messages[-1].footer.text()
+    assert "tokens per decode step" in window.chat.messages[-1].footer.text()
     assert "Speculative decoding, last reply" in window.metrics.figures_text
 
 
@@ -75,7 +75,7 @@ def test_a_plain_reply_draws_no_verify_markers_and_no_speculation_figure(qtbot, 
     window.metrics.refresh()
     assert len(window.metrics.curve("paged", "verify")[0]) == 0
     assert "Speculative" not in window.metrics.figures_text
-    assert "tokens/step" not in window.chat.messages[-1].footer.text()
+    assert "tokens per decode step" not in window.chat.messages[-1].footer.text()
 
 
 def test_the_latency_line_shows_ms_per_produced_token_and_verify_markers_grow_with_tokens():

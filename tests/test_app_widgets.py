@@ -73,14 +73,14 @@ def test_the_send_button_becomes_stop_while_generating(qtbot):
     assert view.send_button.text() == "Send"
 
 
-def test_only_the_last_turn_offers_edit_and_regenerate(qtbot):
+def test_every_user_message_offers_edit_and_only_the_last_reply_regenerate(qtbot):
     view = ChatView()
     qtbot.addWidget(view)
     view.show()
     view.set_messages([("user", "a"), ("assistant", "b"), ("user", "c"), ("assistant", "d")])
 
     visible = [(not m.edit_button.isHidden(), not m.regenerate_button.isHidden()) for m in view.messages]
-    assert visible == [(False, False), (False, False), (True, False), (False, True)]
+    assert visible == [(True, False), (False, False), (True, False), (False, True)]
     view.set_generating(True)
     assert all(m.regenerate_button.isHidden() and m.edit_button.isHidden() for m in view.messages)
 

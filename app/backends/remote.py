@@ -28,7 +28,7 @@ class RemoteClient(QObject, ChatRequests):
     _load = Signal(object)
     _generate = Signal(int, str, object)
     _regenerate = Signal(int, object)
-    _edit = Signal(int, str, object)
+    _edit = Signal(int, int, str, object)
     _set_cache = Signal(str, int)
     _new_conversation = Signal(object)
     _open_conversation = Signal(object)

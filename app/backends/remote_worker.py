@@ -11,6 +11,7 @@ from PySide6.QtCore import QObject, QTimer, Slot
 from app.backends import http
 from app.backends.metrics_parser import ServerKV
 from app.backends.remote_info import STRATEGY, RemoteInfo, RemoteSignals
+from app.worker import keep_until
 from engine.chat import Conversation
 from engine.events import DoneEvent, StepEvent
 from engine.kv.base import KVStats
@@ -76,12 +77,16 @@ class RemoteWorker(QObject):
             self.conv.messages.pop()
         self._run(request, params, snapshot)
 
-    @Slot(int, str, object)
-    def edit_and_resend(self, request: int, text: str, params) -> None:
+    @Slot(int, int, str, object)
+    def edit_and_resend(self, request: int, index: int, text: str, params) -> None:
+        """Replace the user message at `index` (-1: the last) with `text`, dropping what follows it."""
         snapshot = self.conv.snapshot()
-        for role in ("assistant", "user"):
-            if self.conv.messages and self.conv.messages[-1].role == role:
-                self.conv.messages.pop()
+        try:
+            keep_until(self.conv, index)
+        except ValueError as e:
+            self.signals.error.emit(f"Could not edit: {e}")
+            self.signals.conversation.emit(self.conv.to_dict())
+            return
         self.conv.add("user", text)
         self._run(request, params, snapshot)
 
