@@ -104,9 +104,17 @@ def load_weights(model: str | None = None, progress: Progress | None = None,
     path = default_model_path() if model is None else _resolve(model)
     if path.is_dir():
         return load_hf_folder(path, progress, weight_format)
-    if path.suffix.lower() == ".gguf":
+    if path.suffix.lower() == ".gguf" or _is_gguf(path):  # Ollama's blobs have no suffix
         return load_gguf(path, progress, weight_format)
     raise ModelLoadError(f"{path} is neither a .gguf file nor a Hugging Face model folder")
+
+
+def _is_gguf(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def _resolve(model: str) -> Path:

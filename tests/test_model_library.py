@@ -152,3 +152,13 @@ def test_environment_overrides_name_the_hub_and_ollama_folders(tmp_path):
                                                         "OLLAMA_MODELS": str(tmp_path / "ollama")})
     assert roots == [LibraryRoot(tmp_path / "hub", "Hugging Face cache"),
                      LibraryRoot(tmp_path / "ollama", "Ollama", ollama=True)]
+
+
+def test_an_ollama_blob_loads_as_a_gguf_though_it_has_no_suffix(tmp_path, monkeypatch):
+    from engine import loader
+    from tests.gguf_files import write_tiny_gguf
+
+    monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path / "cache"))
+    path, _ = write_tiny_gguf(tmp_path / f"sha256-{HEX}")
+    weights = loader.load_weights(str(path))
+    assert weights.config.num_layers == 2 and weights.source == str(path)
