@@ -4,15 +4,17 @@ A QStatusBar is as wide as all its labels together, so a long model name alone c
 screen, and a temporary message gets whatever width the labels leave: it is cut off mid-word. Here every label
 may shrink to nothing, and after each resize, text change or message the labels that do not fit whole are folded
 away (width 0), least important first; while a message is shown, labels step aside until the message fits.
+Strategy, context and KV fold last; whatever folds is in the bar's tooltip, so nothing is lost at 900 pixels.
 """
 
 from __future__ import annotations
 
 from PySide6.QtCore import QEvent, QObject
+from PySide6.QtGui import QTextDocumentFragment
 from PySide6.QtWidgets import QLabel, QStatusBar
 
 # most important first; labels not named here fold before these
-PRIORITY = ("model", "strategy", "context", "kv", "speed", "ttft", "device")
+PRIORITY = ("strategy", "context", "kv", "model", "speculation", "speed", "ttft", "device")
 SPACING = 14  # between permanent widgets, and around the message
 UNLIMITED = 16_777_215  # QWIDGETSIZE_MAX
 
@@ -47,6 +49,13 @@ class StatusFit(QObject):
             fits = wanted <= room
             room -= wanted if fits else 0
             self._fold(label, not fits)
+        self._explain_folded()
+
+    def _explain_folded(self) -> None:
+        """The folded labels' text as the bar's tooltip (plain text: the strategy's colour swatch is HTML)."""
+        texts = [QTextDocumentFragment.fromHtml(label.text()).toPlainText() for label in self.labels
+                 if label in self.folded and label.isVisibleTo(self.bar) and label.text()]
+        self.bar.setToolTip("\n".join(texts))
 
     def _fold(self, label: QLabel, folded: bool) -> None:
         if folded == (label in self.folded):
