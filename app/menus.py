@@ -5,6 +5,7 @@ from __future__ import annotations
 from PySide6.QtGui import QAction, QActionGroup, QKeySequence
 from PySide6.QtWidgets import QMainWindow, QMenu
 
+from app import open_model_dialog
 from app.dialogs import DraftTokensDialog, KVBudgetDialog, minimum_budget
 from app.settings import MENU_BLOCK_SIZES
 from engine.config import CACHE_STRATEGIES, KV_DTYPES, WEIGHT_FORMATS
@@ -73,6 +74,8 @@ class Menus:
         self.new_chat = self._action(menu, "&New chat", QKeySequence.StandardKey.New)
         self.open = self._action(menu, "&Open…", QKeySequence.StandardKey.Open)
         self.save = self._action(menu, "&Save…", QKeySequence.StandardKey.Save)
+        self.open_model = self._action(menu, "Open &model…", "Ctrl+Shift+O", tip="the GGUF models on this machine")
+        self.open_model.triggered.connect(lambda: open_model_dialog.choose_and_load(self.window))
         menu.addSeparator()
         self.export_png = self._action(menu, "Export plots as &PNG…")
         self.export_csv = self._action(menu, "Export figures as &CSV…")

@@ -162,3 +162,56 @@ def test_an_ollama_blob_loads_as_a_gguf_though_it_has_no_suffix(tmp_path, monkey
     path, _ = write_tiny_gguf(tmp_path / f"sha256-{HEX}")
     weights = loader.load_weights(str(path))
     assert weights.config.num_layers == 2 and weights.source == str(path)
+
+
+# ---- File → Open model ------------------------------------------------------------------------------------
+
+
+def test_file_open_model_lists_the_library_and_loads_the_pick(qtbot, window, tmp_path, monkeypatch):
+    from PySide6.QtCore import QTimer
+    from PySide6.QtWidgets import QApplication
+    from test_app_support import Catch
+
+    from app.open_model_dialog import OpenModelDialog
+    from tests.gguf_files import write_tiny_gguf
+
+    monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path / "cache"))
+    folder = tmp_path / "models"
+    folder.mkdir()
+    tiny, _ = write_tiny_gguf(folder / "tiny-llama.gguf")
+    write_header_gguf(folder / "falcon.gguf", arch="falcon")
+    monkeypatch.setattr("engine.model_library.default_roots", lambda *a, **k: [LibraryRoot(folder, "LM Studio")])
+    seen = {}
+
+    def pick():
+        dialog = QApplication.activeModalWidget()
+        assert isinstance(dialog, OpenModelDialog)
+        seen["rows"] = [dialog.table.item(r, 0).text() for r in range(dialog.table.rowCount())]
+        dialog.grab().save(str(tmp_path / "open-model.png"))
+        falcon = next(r for r, e in enumerate(dialog.entries) if e.architecture == "falcon")
+        dialog.table.selectRow(falcon)
+        seen["falcon_openable"] = dialog.open_button.isEnabled()
+        dialog.select(tiny)
+        dialog.open_button.click()
+
+    QTimer.singleShot(0, pick)
+    with Catch(qtbot, window.client.signals.loaded, timeout=120_000):
+        window.menus.open_model.trigger()
+    assert seen["rows"] == ["falcon", "tiny-llama"] and not seen["falcon_openable"]
+    assert window.info.model_name == "tiny-llama" and window.settings.model_path == str(tiny)
+    assert lib.recent_models(tmp_path / "cache" / "recent-models.json") == [str(tiny)]
+
+
+def test_a_folder_added_in_the_dialog_is_scanned_and_remembered(qtbot, tmp_path, monkeypatch):
+    from app.open_model_dialog import OpenModelDialog
+
+    monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path / "cache"))
+    dialog = OpenModelDialog(roots=[])
+    qtbot.addWidget(dialog)
+    assert dialog.table.rowCount() == 0
+    write_header_gguf(tmp_path / "mine" / "qwen.gguf")
+    dialog.add_models_folder(tmp_path / "mine")
+    assert dialog.table.rowCount() == 1 and dialog.entries[0].architecture == "qwen2"
+    again = OpenModelDialog(roots=[])
+    qtbot.addWidget(again)
+    assert again.table.rowCount() == 1
