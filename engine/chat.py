@@ -89,9 +89,7 @@ def prompt_ids(tokenizer, system_prompt: str | None, messages: list[Message]) ->
     A reply keeps the token ids the model generated: re-tokenizing its text can split it differently, which
     would make the next turn's prompt diverge from what the KV cache holds in the middle of the history.
     """
-    chat = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    chat += [{"role": m.role, "content": m.content} for m in messages]
-    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    text = render_chat(tokenizer, system_prompt, messages)
     ids, cursor = [], 0
     for m in messages:
         if m.role != "assistant" or not m.token_ids or tokenizer.decode(list(m.token_ids)) != m.content:
@@ -102,6 +100,44 @@ def prompt_ids(tokenizer, system_prompt: str | None, messages: list[Message]) ->
         ids += _encode(tokenizer, text[cursor:found]) + list(m.token_ids)
         cursor = found + len(m.content)
     return ids + _encode(tokenizer, text[cursor:])
+
+
+def render_chat(tokenizer, system_prompt: str | None, messages: list[Message]) -> str:
+    """The chat template's text, ready for the assistant's reply. A template without a system role (Gemma 2's
+    raises "System role not supported") gets the system prompt folded into the first user message, followed by a
+    blank line, as Gemma 3's own template folds it."""
+    chat = [{"role": m.role, "content": m.content} for m in messages]
+    if system_prompt and system_role_supported(tokenizer):
+        chat.insert(0, {"role": "system", "content": system_prompt})
+    elif system_prompt:
+        chat = fold_system_prompt(system_prompt, chat)
+    return tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+
+
+def fold_system_prompt(system_prompt: str, chat: list[dict]) -> list[dict]:
+    first_user = next((i for i, m in enumerate(chat) if m["role"] == "user"), None)
+    if first_user is None:
+        return [{"role": "user", "content": system_prompt}, *chat]
+    folded = dict(chat[first_user], content=f"{system_prompt}\n\n{chat[first_user]['content']}")
+    return [*chat[:first_user], folded, *chat[first_user + 1:]]
+
+
+_SYSTEM_ROLE: dict[str, bool] = {}  # chat template text -> does it accept a system message
+
+
+def system_role_supported(tokenizer) -> bool:
+    """Whether the tokenizer's chat template accepts a system message (asked once per template)."""
+    template = str(getattr(tokenizer, "chat_template", None))
+    if template not in _SYSTEM_ROLE:
+        probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+        try:
+            tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False)
+            _SYSTEM_ROLE[template] = True
+        except Exception as e:  # noqa: BLE001 - jinja's TemplateError or a template's raise_exception
+            if "system" not in str(e).lower():
+                raise
+            _SYSTEM_ROLE[template] = False
+    return _SYSTEM_ROLE[template]
 
 
 def _encode(tokenizer, text: str) -> list[int]:

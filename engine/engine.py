@@ -28,7 +28,8 @@ from engine.sampler import Sampler
 from engine.speculative import Speculator
 from engine.weights.convert import apply_format, resolve_auto, to_auto_format
 
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<|end|>")
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<|end|>",
+                      "<end_of_turn>")  # ChatML / Qwen, Llama 3, SmolLM, Mistral, Phi-3, Gemma
 PREFILL_CHUNK = 1024
 
 

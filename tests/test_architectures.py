@@ -246,3 +246,42 @@ def test_a_file_missing_a_shape_key_is_refused_by_name(tmp_path):
     writer.close()
     with pytest.raises(ModelLoadError, match="qwen2.attention.head_count"):
         loader.load_weights(str(tmp_path / "q.gguf"))
+
+
+# ---- chat templates ---------------------------------------------------------------------------------------
+
+GEMMA2_TEMPLATE = (  # Gemma 2's own template: no system role
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}")
+
+
+def tiny_tokenizer(tmp_path):
+    from tests.gguf_files import write_tiny_gguf
+
+    path, _ = write_tiny_gguf(tmp_path / "tiny.gguf")
+    return loader.load_weights(str(path)).tokenizer
+
+
+def test_a_template_without_a_system_role_gets_the_system_prompt_folded_into_the_first_user_turn(tmp_path):
+    from engine.chat import Message, render_chat, system_role_supported
+
+    tokenizer = tiny_tokenizer(tmp_path)
+    tokenizer.chat_template = GEMMA2_TEMPLATE
+    assert not system_role_supported(tokenizer)
+    messages = [Message("user", "Hello"), Message("assistant", "Hi."), Message("user", "Again")]
+    text = render_chat(tokenizer, "Be brief.", messages)
+    assert text.endswith("<start_of_turn>user\nBe brief.\n\nHello<end_of_turn>\n<start_of_turn>model\nHi."
+                         "<end_of_turn>\n<start_of_turn>user\nAgain<end_of_turn>\n<start_of_turn>model\n")
+
+
+def test_a_template_with_a_system_role_keeps_it_as_a_system_message(tmp_path):
+    from engine.chat import Message, render_chat, system_role_supported
+
+    tokenizer = tiny_tokenizer(tmp_path)  # the default model's ChatML template
+    assert system_role_supported(tokenizer)
+    text = render_chat(tokenizer, "Be brief.", [Message("user", "Hello")])
+    assert "<|im_start|>system\nBe brief.<|im_end|>" in text and "Be brief.\n\nHello" not in text
