@@ -206,3 +206,73 @@ def test_context_and_token_figures_a_server_does_not_publish_read_unavailable_ne
     generated_only = rows("llamacpp:tokens_predicted_total 5\n")
     assert generated_only["Server tokens"] == ("5 generated", "prompt tokens: unavailable (llama.cpp does not "
                                                                "publish it)")
+
+
+# a real llama-server /metrics (llama.cpp 0.5.0-dev, commit 0c1e570, built by `make peers` from the llama-cpp-python
+# 0.3.36 sdist; --metrics, SmolLM2-135M-Instruct Q4_1, after a few requests): no KV gauges any more, the prompt
+# tokens it computed and those it reused from its cache counted apart, the longest sequence it held
+LLAMA_SERVER_REAL = """\
+# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed, excluding cached tokens
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 87
+# HELP llamacpp:prompt_tokens_cached_total Number of prompt tokens reused from the cache
+# TYPE llamacpp:prompt_tokens_cached_total counter
+llamacpp:prompt_tokens_cached_total 24
+# HELP llamacpp:prompt_seconds_total Total time spent processing prompts
+# TYPE llamacpp:prompt_seconds_total counter
+llamacpp:prompt_seconds_total 7.36684
+# HELP llamacpp:tokens_predicted_total Number of generation tokens processed
+# TYPE llamacpp:tokens_predicted_total counter
+llamacpp:tokens_predicted_total 36
+# HELP llamacpp:tokens_predicted_seconds_total Total time spent generating tokens
+# TYPE llamacpp:tokens_predicted_seconds_total counter
+llamacpp:tokens_predicted_seconds_total 24.9922
+# HELP llamacpp:n_decode_total Total number of llama_decode() calls, excluding speculative decoding and multimodal \
+decoding
+# TYPE llamacpp:n_decode_total counter
+llamacpp:n_decode_total 21
+# HELP llamacpp:n_tokens_max Largest observed sequence length (prompt + generation)
+# TYPE llamacpp:n_tokens_max counter
+llamacpp:n_tokens_max 54
+# HELP llamacpp:spec_decode_num_draft_tokens_total Speculative: Total draft tokens generated
+# TYPE llamacpp:spec_decode_num_draft_tokens_total counter
+llamacpp:spec_decode_num_draft_tokens_total 0
+# HELP llamacpp:spec_decode_num_accepted_tokens_total Speculative: Total draft tokens accepted by the target model
+# TYPE llamacpp:spec_decode_num_accepted_tokens_total counter
+llamacpp:spec_decode_num_accepted_tokens_total 0
+# HELP llamacpp:spec_decode_num_drafts_total Speculative: Total speculative decoding verification steps
+# TYPE llamacpp:spec_decode_num_drafts_total counter
+llamacpp:spec_decode_num_drafts_total 0
+# HELP llamacpp:prompt_tokens_seconds Average prompt throughput in tokens/s
+# TYPE llamacpp:prompt_tokens_seconds gauge
+llamacpp:prompt_tokens_seconds 11.8097
+# HELP llamacpp:predicted_tokens_seconds Average generation throughput in tokens/s
+# TYPE llamacpp:predicted_tokens_seconds gauge
+llamacpp:predicted_tokens_seconds 1.32041
+# HELP llamacpp:requests_processing Number of requests processing
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 0
+# HELP llamacpp:requests_deferred Number of requests deferred
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 0
+# HELP llamacpp:n_busy_slots_per_decode Average number of busy slots per llama_decode() call
+# TYPE llamacpp:n_busy_slots_per_decode gauge
+llamacpp:n_busy_slots_per_decode 1.71429
+"""
+
+
+def test_a_real_llama_server_exposition_reads_its_figures_and_leaves_the_rest_unavailable():
+    from app.backends.server_view import server_rows, status_text
+
+    kv = server_kv(LLAMA_SERVER_REAL)
+    assert kv.flavour == "llama.cpp" and (kv.running, kv.waiting) == (0, 0)
+    assert (kv.prompt_tokens, kv.generation_tokens, kv.longest_sequence) == (87, 36, 54)
+    assert (kv.prefix_hits, kv.prefix_queries) == (24, 87 + 24)
+    assert kv.kv_usage is None and kv.kv_tokens is None and kv.blocks_used is None and kv.bytes_allocated is None
+    rows = {title: (value, detail) for title, value, detail in server_rows(kv, "m", "http://127.0.0.1:8080")}
+    assert rows["Server KV-cache usage"] == ("unavailable", "llama.cpp does not publish it")
+    held, longest = rows["Server context"]
+    assert held == "unavailable" and "longest sequence so far 54 tokens" in longest
+    assert rows["Server tokens"] == ("36 generated", "87 prompt tokens processed")
+    assert rows["Server prefix cache"][0] == "21.6% of prompt tokens hit"
+    assert status_text(kv) == "server KV unavailable"

@@ -43,14 +43,16 @@ METHOD = (
     "The servers run in child processes with the benchmark's thread count: `main.py serve` (paged cache, block "
     "16, max concurrency 16, the engine's weights {weights} and KV {kv_dtype}) and, when present, llama.cpp's "
     "`llama-server` on the same GGUF (`{peer_args}`). Clients stream over loopback with httpx (temperature 0, "
-    "`max_tokens` {max_tokens}, one story prompt per client, the same prompts for both servers). Batched: all "
+    "`max_tokens` {max_tokens}, one story prompt per client, the same prompts for both servers, a new connection "
+    "per request). Batched: all "
     "clients at once. One at a time: the same requests sent one after another; their texts are the greedy "
     "reference (each batched stream must equal its request run alone on the same server). At every (clients, "
     "mode) the servers alternate, the first one swapping with each client count. Aggregate tok/s = completion "
     "tokens (from the usage chunk) / wall time from the first request to the last token; inter-token latency = "
     "gaps between content chunks as the client received them (first token excluded); TTFT = request sent to the "
     "first content chunk. Engine step = median of {step_samples} single-token decode forwards of the engine in "
-    "this process (paged, one sequence at the prompt's length plus half a reply). Pool fit: {fit_requests} "
+    "this process (paged, one sequence at the prompt's length plus half a reply; half before the servers start, "
+    "half after they stop). Pool fit: {fit_requests} "
     "requests of ~{fit_prompt} prompt tokens and {fit_new} new tokens submitted at once to the scheduler in this "
     "process, with a KV budget of one context; paged = the largest running batch seen; contiguous = budget / one "
     "reservation (it reserves a whole context per sequence)."
@@ -64,7 +66,9 @@ def run(ctx: BenchContext, quick: bool) -> dict:
     max_tokens = QUICK_MAX_TOKENS if quick else MAX_TOKENS
     engine = ctx.engine
     threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or __import__("torch").get_num_threads()
-    step = engine_step_ms(ctx, max_tokens, QUICK_STEP_SAMPLES if quick else STEP_SAMPLES)
+    samples = QUICK_STEP_SAMPLES if quick else STEP_SAMPLES
+    step = engine_step_ms(ctx, max_tokens, samples)  # before the servers start and again after they stop:
+    # on a loaded machine one stretch of time can be slower than another
     args = ["--max-concurrency", str(max(CLIENTS)), "--weights", engine.weight_format,
             "--kv-dtype", engine.kv_dtype_name, *(["--model", str(ctx.model_arg)] if ctx.model_arg else [])]
     status(f"starting main.py serve ({threads} torch thread(s))")
@@ -79,6 +83,7 @@ def run(ctx: BenchContext, quick: bool) -> dict:
         finally:
             if peer is not None:
                 peer.stop()
+    step += engine_step_ms(ctx, max_tokens, samples)
     peer_args = peer.config.describe() if peer else "absent"
     status("serve: concurrent requests that fit one KV budget, paged vs contiguous")
     return {"method": METHOD.format(max_tokens=max_tokens, weights=engine.weight_format, kv_dtype=engine.kv_dtype_name,
@@ -124,7 +129,10 @@ def _model_id(url: str) -> str:
 async def _clients(url: str, model: str, n: int, max_tokens: int, together: bool) -> dict:
     import httpx
 
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+    # a new connection per request: a kept-alive one that the server closes as the next request goes out would
+    # fail that request ("disconnected without sending a response"), seen once against llama-server
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         start = time.perf_counter()
         jobs = [_stream(client, model, TOPICS[i % len(TOPICS)], max_tokens) for i in range(n)]
         if together:
@@ -272,22 +280,24 @@ def summarize(r: dict) -> str:
         report.md_table(["target", "goal", "measured", "verdict", "why"], target_rows))
 
 
+SERIES_COLORS = {KVSCOPE: report.color("paged"), LLAMA_SERVER: report.color("llama.cpp")}
+
+
 def plot(r: dict, path) -> None:
+    """Aggregate tokens/s (batched solid, one at a time dashed) and the batched runs' inter-token latency (p50
+    solid, p99 dashed): one colour per server."""
     fig, (left, right) = report.figure(2, width=6)
     clients = r["clients"]
     servers = {KVSCOPE: r["streams"], **({LLAMA_SERVER: r["peer"]["streams"]} if (r.get("peer") or {}).get("streams")
                                         else {})}
     for server, streams in servers.items():
-        for mode in MODES:
-            name = f"{server}, {mode}"
-            series = [streams[f"{mode}/{n}"] for n in clients]
-            dashed = {"fmt": "s--"} if mode != "batched" else {}
-            report.line(left, name, clients, [s["tok_s"] for s in series], **dashed)
-            if mode == "batched":  # inter-token latency of the batched runs: p50 solid, p99 dashed
-                color = report.color(name)
-                right.plot(clients, [s["itl_p50_ms"] for s in series], "o-", color=color, ms=4, label=f"{server} p50")
-                right.plot(clients, [s["itl_p99_ms"] for s in series], "x--", color=color, ms=5,
-                           label=f"{server} p99")
+        color = SERIES_COLORS[server]
+        for mode, style in zip(MODES, ("o-", "s--")):
+            left.plot(clients, [streams[f"{mode}/{n}"]["tok_s"] for n in clients], style, color=color, ms=4,
+                      label=f"{server}, {mode}")
+        batched = [streams[f"batched/{n}"] for n in clients]
+        right.plot(clients, [s["itl_p50_ms"] for s in batched], "o-", color=color, ms=4, label=f"{server} p50")
+        right.plot(clients, [s["itl_p99_ms"] for s in batched], "x--", color=color, ms=5, label=f"{server} p99")
     left.set(title="aggregate throughput", xlabel="concurrent streaming clients", ylabel="tokens / s", xscale="log")
     right.set(title="inter-token latency (batched)", xlabel="concurrent streaming clients", ylabel="ms",
               xscale="log")
