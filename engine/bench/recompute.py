@@ -31,6 +31,9 @@ LENGTHS = (10, 100, 1000)
 QUICK_LENGTHS = (10, 100, 300)
 NONE_MEASURED, QUICK_NONE_MEASURED = 300, 100
 NONE_SAMPLES = 12
+STEP_TOKENS = 250  # issue 20: a 'none' step at ~250 tokens grew from 0.6 s to ~20 s; it should cost one prefill
+STEP_REPEATS = 5
+STEP_TARGET = 1.5  # a 'none' step at n tokens costs at most this many prefills of n tokens
 PROMPT = "Tell me a long story about a lighthouse keeper and the ships she guided home."
 
 
@@ -56,7 +59,31 @@ def run(ctx: BenchContext, quick: bool) -> dict:
         "growth": {s: ratio(t[hi], t[lo]) for s, t in totals.items()},
         "none_over_paged": {k: ratio(totals["none"][k], totals["paged"][k]) for k in totals["paged"]},
         "none_measured_tokens": measured,
+        "step_vs_prefill": step_vs_prefill(ctx, STEP_TOKENS),
     }
+
+
+def step_vs_prefill(ctx: BenchContext, n: int, repeats: int = STEP_REPEATS) -> dict:
+    """A 'none' step over n tokens (what generate runs there: one forward over the whole sequence) against a
+    prefill of n tokens into a fresh paged sequence, alternating, `repeats` times each: the step's steadiness
+    (last over first of consecutive steps) and its cost in prefills (median over median)."""
+    e = ctx.engine
+    ids = random_ids(n, e.model_config.vocab_size)
+    none, paged = make_cache(e, "none"), make_cache(e, "paged", pool_tokens=2 * n)
+    step_ms, prefill_ms = [], []
+    for i in bar(range(repeats), "recompute step vs prefill"):
+        with using_cache(e, none):
+            none.prepare(0, ids)
+            step_ms.append(timed_ms(lambda: e.step([0], [ids]), e.synchronize)[1])
+        with using_cache(e, paged):
+            paged.prepare(i + 1, ids)
+            prefill_ms.append(timed_ms(lambda i=i: e.step([i + 1], [ids]), e.synchronize)[1])
+            paged.release(i + 1)
+    step, prefill = float(np.median(step_ms)), float(np.median(prefill_ms))
+    return {"tokens": n, "none_step_ms": step_ms, "paged_prefill_ms": prefill_ms, "none_step_median_ms": step,
+            "paged_prefill_median_ms": prefill, "step_over_prefill": ratio(step, prefill),
+            "last_over_first_step": ratio(step_ms[-1], step_ms[0]), "target": STEP_TARGET,
+            "weights": e.weight_format}
 
 
 def generation_curve(ctx: BenchContext, strategy: str, n: int) -> dict:
@@ -113,8 +140,20 @@ def summarize(r: dict) -> str:
     return report.section(
         "recompute: no cache (O(n^2)) vs a cache (O(n))",
         f"Prompt of {r['prompt_tokens']} tokens. {r['method']}.", table, note, ideal,
-        f"none / paged total time: {speedups}.",
+        f"none / paged total time: {speedups}.", _step_line(r.get("step_vs_prefill")),
     )
+
+
+def _step_line(s: dict | None) -> str:
+    if not s:
+        return ""
+    met = "met" if s["step_over_prefill"] is not None and s["step_over_prefill"] <= s["target"] else "NOT met"
+    steps = ", ".join(f"{ms:,.0f}" for ms in s["none_step_ms"])
+    return (f"One 'none' step over {s['tokens']} tokens ({s['weights']} weights), {len(s['none_step_ms'])} in a "
+            f"row, alternating with a paged prefill of the same tokens: {steps} ms (median "
+            f"{s['none_step_median_ms']:,.0f}) vs prefill median {s['paged_prefill_median_ms']:,.0f} ms: "
+            f"{report.fmt(s['step_over_prefill'])}x a prefill (target <= {s['target']:g}x: {met}); last/first "
+            f"step {report.fmt(s['last_over_first_step'])}x.")
 
 
 def _cell(r: dict, strategy: str, k: int) -> str:
