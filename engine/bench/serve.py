@@ -148,19 +148,23 @@ async def _clients(url: str, model: str, n: int, max_tokens: int, together: bool
 async def _stream(client, model: str, topic: str, max_tokens: int) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": f"Write a long story about {topic}."}],
             "max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    sent, arrivals, tokens, parts = time.perf_counter(), [], 0, []
+    sent, arrivals, tokens, parts = time.perf_counter(), [], None, []
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if chunk.get("error"):  # a server that fails mid-stream must fail the run, not count as 0 tokens
+                raise RuntimeError(f"{client.base_url}: the stream failed: {chunk['error']}")
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
             content = "".join((c.get("delta") or {}).get("content") or "" for c in chunk.get("choices") or ())
             if content:
                 arrivals.append(time.perf_counter())
                 parts.append(content)
+    if tokens is None:
+        raise RuntimeError(f"{client.base_url}: the stream ended without its usage chunk ({len(parts)} chunks)")
     gaps = np.diff(arrivals) * 1000 if len(arrivals) > 1 else np.empty(0)
     return {"tokens": tokens, "gaps_ms": gaps.tolist(), "text": "".join(parts),
             "ttft_ms": (arrivals[0] - sent) * 1000 if arrivals else None}
