@@ -77,12 +77,13 @@ def _new_cache(strategy: str, engine: Engine, block_size: int, pool_tokens: int 
     args = (engine.model_config, dtype, engine.device, engine.max_context)
     if layout == "none":
         return RecomputeCache(*args)
+    residual = engine.config.kv_residual
     if layout == "contiguous":
-        return ContiguousQuantCache(*args, codec=codec) if codec else ContiguousCache(*args)
+        return ContiguousQuantCache(*args, codec=codec, residual=residual) if codec else ContiguousCache(*args)
     budget = engine.config.kv_budget_mib
     sizes = {"block_size": block_size, "pool_tokens": pool_tokens,
              "budget_bytes": None if budget is None else int(budget * 2**20)}
-    return PagedQuantCache(*args, codec=codec, **sizes) if codec else PagedCache(*args, **sizes)
+    return PagedQuantCache(*args, codec=codec, residual=residual, **sizes) if codec else PagedCache(*args, **sizes)
 
 
 class Engine:
@@ -125,7 +126,10 @@ class Engine:
         max_positions = min(config.max_context or weights.config.max_position_embeddings,
                             weights.config.max_position_embeddings)
         net = LlamaModel.from_hf_state_dict(weights.config, weights.state_dict, max_positions)
-        engine = cls(net, weights.tokenizer, config, weights.name)
+        # every tensor is already in its format (auto: never below its file's precision); the constructor must not
+        # convert the whole model to one format again
+        engine = cls(net, weights.tokenizer, EngineConfig(**{**config.__dict__, "weights": None}), weights.name)
+        engine.config = config
         engine.weights_file_bytes = weights.file_bytes
         engine.weights_report = weights.report  # which tensors kept their integers, which were converted
         del weights, net

@@ -239,3 +239,17 @@ def test_about_and_the_status_bar_say_which_tensors_were_kept():
                      weights_file_bytes=2**20, weights_report=report)
     assert info.weights_text == ("int4 weights, 1 MiB (file 1 MiB); GGUF tensors dequantized: 1 (Q3_K 1); "
                                  "kept as int4: 1 (Q4_K 1); kept as int8: 1 (Q6_K 1)")
+
+
+def test_an_engine_loaded_with_auto_keeps_a_q8_0_file_in_int8(tmp_path, monkeypatch):
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from tests.gguf_files import write_tiny_gguf
+
+    monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr("engine.engine.resolve_auto", lambda *args: "int4")  # as measured on some machines
+    path, _ = write_tiny_gguf(tmp_path / "tiny-q8_0.gguf", types={"": T.Q8_0})
+    engine = Engine.load(str(path), EngineConfig(cache="contiguous", max_context=64, kv_dtype="float32"))
+    formats = {m.format_name for m in engine.model.projections().values()}
+    assert formats == {"int8"} and engine.config.weights == "int4"  # auto chose int4; the file's int8 stayed
+    assert engine.weights_report == "kept as int8: 15 (Q8_0 15)"
