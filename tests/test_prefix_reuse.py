@@ -236,13 +236,13 @@ def test_a_paged_fork_shares_full_blocks_and_copies_only_the_partly_filled_one(t
 
 @pytest.mark.parametrize("kv", ["int8", "int4"])
 def test_a_quantized_pool_forks_its_blocks_and_copies_its_window(tiny_engine_factory, kv):
-    engine = tiny_engine_factory("paged", 16, kv_dtype=kv)
+    engine = tiny_engine_factory("paged", 16, kv_dtype=kv, kv_residual=0)  # blocks hold codes once full
     prompt = list(range(10, 30))
     continue_with(engine, 1, prompt)  # one full (quantized) block and 4 tokens in the window
     engine.cache.fork(1, 2)
     assert engine.cache.seqs[2].blocks == engine.cache.seqs[1].blocks
     assert engine.cache.pool.refcount(engine.cache.seqs[1].blocks[0]) == 2
-    assert torch.equal(engine.cache.windows[2], engine.cache.windows[1])
+    assert torch.equal(engine.cache.state.seqs[2].window, engine.cache.state.seqs[1].window)
     branch = continue_with(engine, 2, prompt + [7] * 16)  # fills the shared partial block: copied on write
     parent = continue_with(engine, 1, prompt + [7] * 16)
     assert torch.equal(branch, parent)  # the same state continues the same way

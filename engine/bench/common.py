@@ -180,10 +180,11 @@ def make_cache(engine: Engine, strategy: str, block_size: int = 16, pool_tokens:
     args = (engine.model_config, float_dtype, engine.device, max_context or engine.max_context)
     if layout == "none":
         return RecomputeCache(*args)
+    residual = engine.config.kv_residual
     if layout == "contiguous":
-        return ContiguousQuantCache(*args, codec=codec) if codec else ContiguousCache(*args)
+        return ContiguousQuantCache(*args, codec=codec, residual=residual) if codec else ContiguousCache(*args)
     if codec:
-        return PagedQuantCache(*args, codec=codec, block_size=block_size, pool_tokens=pool_tokens)
+        return PagedQuantCache(*args, codec=codec, block_size=block_size, pool_tokens=pool_tokens, residual=residual)
     return PagedCache(*args, block_size=block_size, pool_tokens=pool_tokens)
 
 

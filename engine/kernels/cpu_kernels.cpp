@@ -667,18 +667,22 @@ void attend_tile(const float* q, float* part, const K& keys, const V& values, co
 // int8 (symmetric): x = code * scale, code in -127..127. int4 (asymmetric, KIVI-style): x = code * scale + min,
 // code in 0..15, two codes a byte (byte j holds channel j in its low nibble and channel j + D/2 in its high one).
 // Keys: a scale (int4: and a minimum) per channel over the tokens of one block, since a few channels of the keys
-// carry outliers and per-channel groups keep them from spoiling the others; values: per token and head. The
-// positions from a sequence's last full block on sit in its float32 window (the block being filled).
+// carry outliers and per-channel groups keep them from spoiling the others; values: per token and head.
+// A sequence's newest tokens stay in full precision in its float32 window, a ring of W rows (position p in row
+// p % W): a block is quantized when the sequence has `residual` more tokens after it (KIVI's full-precision
+// residual; 0: when the block fills), and only from the sequence's boundary `upto` on (blocks below it hold
+// their codes already, maybe shared with other sequences). The quantized positions are [0, full) with
+// full = max(upto, floor((kv_len - residual) / block_size) * block_size); the window holds [full, kv_len).
 // Attention reads the codes in place: a block's key scales fold into the query (q * scale, plus q . min), a
 // token's value scale into its softmax weight, so no float copy of a key or value is ever made.
 
 template <int BITS>
 struct QuantRows {
-  int64_t first = 0, full = 0;
+  int64_t first = 0, full = 0, ring = 1;  // ring: the window's rows (position p in row p % ring)
   std::vector<const uint8_t*> code;    // per quantized position from `first`: its codes
   std::vector<const uint16_t*> param;  // keys: the block's [D] scales (int4: then [D] minimums); values: the
                                        // token's scale (int4: then its minimum)
-  const float* window = nullptr;       // [block_size, D] rows for positions full, full + 1, ...
+  const float* window = nullptr;       // [ring, D] rows
 };
 
 template <int BITS>
@@ -825,8 +829,8 @@ void attend_tile(const float* q, float* part, const QuantRows<BITS>& keys, const
   window_k.resize(k1 - qend);
   window_v.resize(k1 - qend);
   for (int64_t p = qend; p < k1; ++p) {
-    window_k[p - qend] = keys.window + (p - keys.full) * d;
-    window_v[p - qend] = values.window + (p - values.full) * d;
+    window_k[p - qend] = keys.window + (p % keys.ring) * d;
+    window_v[p - qend] = values.window + (p % values.ring) * d;
   }
   for (int64_t i = 0; i < nq; ++i)
     if (qend - k0 <= last[i])
@@ -1073,18 +1077,33 @@ at::Tensor attention(const at::Tensor& q, std::vector<at::Tensor> k_stores, std:
   }
 }
 
+// the windows hold residual + block_size rows (what the sequence keeps in full precision at most)
+void check_ring(const std::vector<at::Tensor>& windows, const at::Tensor& upto, int64_t residual, int64_t bs,
+                int64_t batch) {
+  TORCH_CHECK(upto.scalar_type() == at::kInt && upto.is_contiguous() && upto.numel() == batch, "upto: int32 [B]");
+  TORCH_CHECK(residual >= 0 && residual % bs == 0, "residual: a multiple of the block size");
+  for (const auto& w : windows) TORCH_CHECK(w.size(1) == residual + bs, "windows: residual + block_size rows");
+}
+
+inline int64_t quantized_end(int64_t upto, int64_t kv_len, int64_t residual, int64_t bs) {
+  return std::max<int64_t>(upto, kv_len >= residual ? (kv_len - residual) / bs * bs : 0);
+}
+
 template <int BITS>
 struct QuantStores {
   StoreAddresses<uint8_t> k, v;  // codes [Hkv, slots, D] int8 or [Hkv, slots, D/2] two int4 a byte
   StoreAddresses<at::Half> k_param, v_param;  // [Hkv, blocks, D] / [Hkv, blocks, 2, D]; [Hkv, slots] / [Hkv, slots, 2]
-  StoreAddresses<float> k_window, v_window;  // per sequence [Hkv, block_size, D] float32
+  StoreAddresses<float> k_window, v_window;  // per sequence [Hkv, W, D] float32
   const StepMap& map;
   int64_t hkv;
+  const int32_t* upto;
+  int64_t residual, ring;
   int64_t num_kv_heads() const { return hkv; }
   std::pair<QuantRows<BITS>, QuantRows<BITS>> operator()(int64_t b, int64_t h, int64_t k0, int64_t k1) const {
     QuantRows<BITS> keys, values;
-    int64_t full = map.kv_len(b) / map.block_size * map.block_size;
+    int64_t full = quantized_end(upto[b], map.kv_len(b), residual, map.block_size);
     keys.full = values.full = full;
+    keys.ring = values.ring = ring;
     keys.first = values.first = k0;
     keys.window = k_window.at(b, h, 0);
     values.window = v_window.at(b, h, 0);
@@ -1168,62 +1187,74 @@ void quantize_block(const float* kwin, const float* vwin, int64_t bs, int64_t d,
     quantize_group<BITS>(vwin + r * d, d, 1, v_prm[r], 1, [&](int64_t j, uint8_t c) { put_code<BITS>(v_rows[r], j, d, c); });
 }
 
-// writes of a quantized cache: each new token goes to its sequence's float32 window (row p % block_size); when
-// that fills a block, the block is quantized into its store (see the section's head)
+// writes of a quantized cache: each new token goes to its sequence's float32 window (row p % W); when the
+// sequence then has `residual` tokens after a block, that block is quantized into its store (see the head)
 template <int BITS>
 void write_quant(const std::vector<at::Tensor>& k_stores, const std::vector<at::Tensor>& v_stores,
                  const std::vector<at::Tensor>& k_params, const std::vector<at::Tensor>& v_params,
                  const std::vector<at::Tensor>& k_windows, const std::vector<at::Tensor>& v_windows,
-                 const at::Tensor& k, const at::Tensor& v, const int32_t* st, const int32_t* sl, int64_t bs) {
-  int64_t b = k.size(0), h = k.size(1), t = k.size(2), d = k.size(3);
+                 const at::Tensor& k, const at::Tensor& v, const StepMap& map, const int32_t* upto,
+                 int64_t residual) {
+  int64_t b = k.size(0), h = k.size(1), t = k.size(2), d = k.size(3), bs = map.block_size;
+  int64_t ring = k_windows[0].size(1);
   StoreAddresses<uint8_t> kq(k_stores), vq(v_stores);
   StoreAddresses<at::Half> kp(k_params), vp(v_params);
   StoreAddresses<float> kw(k_windows), vw(v_windows);
   const float *kx = k.data_ptr<float>(), *vx = v.data_ptr<float>();
   std::vector<uint8_t*> k_rows(bs), v_rows(bs);
   std::vector<uint16_t*> v_prm(bs);
+  std::vector<const float*> k_src(bs), v_src(bs);
+  std::vector<float> k_block(bs * d), v_block(bs * d);
   for (int64_t bi = 0; bi < b; ++bi)
     for (int64_t ti = 0; ti < t; ++ti) {
-      int64_t store = st[bi * t + ti], slot = sl[bi * t + ti], row = slot % bs;
-      if (store < 0) continue;
+      int64_t p = map.q_pos[bi * t + ti];
+      if (p < 0) continue;
+      int64_t exit = p + 1 - residual;  // positions before it may be quantized now
+      int64_t first = exit - bs;  // the block that leaves the window with this token, if any
+      bool quantize = exit >= bs && exit % bs == 0 && first >= upto[bi];
+      int64_t blk = quantize ? map.table[bi * map.width + first / bs] : 0;
+      int64_t store = map.block_store[blk], start = map.block_start[blk];
       for (int64_t hi = 0; hi < h; ++hi) {
         float* kwin = const_cast<float*>(kw.at(bi, hi, 0));
         float* vwin = const_cast<float*>(vw.at(bi, hi, 0));
-        std::copy_n(kx + ((bi * h + hi) * t + ti) * d, d, kwin + row * d);
-        std::copy_n(vx + ((bi * h + hi) * t + ti) * d, d, vwin + row * d);
-        if (row != bs - 1) continue;
-        int64_t first = slot - row;  // the block is full: quantize it
+        std::copy_n(kx + ((bi * h + hi) * t + ti) * d, d, kwin + (p % ring) * d);
+        std::copy_n(vx + ((bi * h + hi) * t + ti) * d, d, vwin + (p % ring) * d);
+        if (!quantize) continue;
         for (int64_t r = 0; r < bs; ++r) {
-          k_rows[r] = const_cast<uint8_t*>(kq.at(store, hi, first + r));
-          v_rows[r] = const_cast<uint8_t*>(vq.at(store, hi, first + r));
-          v_prm[r] = reinterpret_cast<uint16_t*>(const_cast<at::Half*>(vp.at(store, hi, first + r)));
+          std::copy_n(kwin + ((first + r) % ring) * d, d, k_block.data() + r * d);
+          std::copy_n(vwin + ((first + r) % ring) * d, d, v_block.data() + r * d);
+          k_rows[r] = const_cast<uint8_t*>(kq.at(store, hi, start + r));
+          v_rows[r] = const_cast<uint8_t*>(vq.at(store, hi, start + r));
+          v_prm[r] = reinterpret_cast<uint16_t*>(const_cast<at::Half*>(vp.at(store, hi, start + r)));
         }
-        auto* k_prm = reinterpret_cast<uint16_t*>(const_cast<at::Half*>(kp.at(store, hi, first / bs)));
-        quantize_block<BITS>(kwin, vwin, bs, d, k_rows.data(), v_rows.data(), k_prm, v_prm.data());
+        auto* k_prm = reinterpret_cast<uint16_t*>(const_cast<at::Half*>(kp.at(store, hi, start / bs)));
+        quantize_block<BITS>(k_block.data(), v_block.data(), bs, d, k_rows.data(), v_rows.data(), k_prm,
+                             v_prm.data());
       }
     }
 }
 
+// k, v: the step's new keys and values [B, Hkv, T, D] float32 at the positions q_pos gives; upto: int32 [B]
 void write_kv_quant(std::vector<at::Tensor> k_stores, std::vector<at::Tensor> v_stores,
                     std::vector<at::Tensor> k_params, std::vector<at::Tensor> v_params,
                     std::vector<at::Tensor> k_windows, std::vector<at::Tensor> v_windows, const at::Tensor& k,
-                    const at::Tensor& v, const at::Tensor& store_of, const at::Tensor& slot_of, int64_t block_size,
-                    int64_t bits) {
+                    const at::Tensor& v, const at::Tensor& table, const at::Tensor& block_store,
+                    const at::Tensor& block_start, int64_t block_size, const at::Tensor& q_pos, const at::Tensor& upto,
+                    int64_t residual, int64_t bits) {
   TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes() &&
                   k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "k, v: contiguous float32 [B, Hkv, T, D]");
   TORCH_CHECK(static_cast<int64_t>(k_windows.size()) == k.size(0), "one window per sequence");
-  TORCH_CHECK(store_of.scalar_type() == at::kInt && slot_of.scalar_type() == at::kInt && store_of.is_contiguous() &&
-                  slot_of.is_contiguous() && store_of.numel() == k.size(0) * k.size(2) &&
-                  slot_of.numel() == store_of.numel(),
-              "store_of, slot_of: int32 [B, T]");
   TORCH_CHECK(k.size(3) % 16 == 0, "head_dim must be a multiple of 16");
   check_quant_stores(bits, k_stores, v_stores, k_params, v_params, k_windows, v_windows);
-  const int32_t *st = store_of.data_ptr<int32_t>(), *sl = slot_of.data_ptr<int32_t>();
+  StepMap map = step_map(table, block_store, block_start, block_size, q_pos);
+  TORCH_CHECK(map.t == k.size(2) && q_pos.size(0) == k.size(0), "q_pos: [B, T] for the new tokens");
+  check_ring(k_windows, upto, residual, block_size, k.size(0));
+  const int32_t* up = upto.data_ptr<int32_t>();
   if (bits == 8)
-    write_quant<8>(k_stores, v_stores, k_params, v_params, k_windows, v_windows, k, v, st, sl, block_size);
+    write_quant<8>(k_stores, v_stores, k_params, v_params, k_windows, v_windows, k, v, map, up, residual);
   else
-    write_quant<4>(k_stores, v_stores, k_params, v_params, k_windows, v_windows, k, v, st, sl, block_size);
+    write_quant<4>(k_stores, v_stores, k_params, v_params, k_windows, v_windows, k, v, map, up, residual);
 }
 
 // a quantized cache: as `attention`, over codes and their scales, and per sequence a float32 window holding its
@@ -1232,15 +1263,20 @@ at::Tensor attention_quant(const at::Tensor& q, std::vector<at::Tensor> k_stores
                            std::vector<at::Tensor> k_params, std::vector<at::Tensor> v_params,
                            std::vector<at::Tensor> k_windows, std::vector<at::Tensor> v_windows,
                            const at::Tensor& table, const at::Tensor& block_store, const at::Tensor& block_start,
-                           int64_t block_size, const at::Tensor& q_pos, int64_t bits) {
+                           int64_t block_size, const at::Tensor& q_pos, const at::Tensor& upto, int64_t residual,
+                           int64_t bits) {
   TORCH_CHECK(k_windows.size() == static_cast<size_t>(q.size(0)), "one window per sequence");
   TORCH_CHECK(q.size(3) % 16 == 0, "head_dim must be a multiple of 16");
   check_quant_stores(bits, k_stores, v_stores, k_params, v_params, k_windows, v_windows);
+  check_ring(k_windows, upto, residual, block_size, q.size(0));
   StepMap map = step_map(table, block_store, block_start, block_size, q_pos);
-  int64_t hkv = k_stores[0].size(0);
+  int64_t hkv = k_stores[0].size(0), ring = k_windows[0].size(1);
+  const int32_t* up = upto.data_ptr<int32_t>();
   if (bits == 8)
-    return run_attention(q, map, QuantStores<8>{{k_stores}, {v_stores}, {k_params}, {v_params}, {k_windows}, {v_windows}, map, hkv});
-  return run_attention(q, map, QuantStores<4>{{k_stores}, {v_stores}, {k_params}, {v_params}, {k_windows}, {v_windows}, map, hkv});
+    return run_attention(q, map, QuantStores<8>{{k_stores}, {v_stores}, {k_params}, {v_params}, {k_windows},
+                                                {v_windows}, map, hkv, up, residual, ring});
+  return run_attention(q, map, QuantStores<4>{{k_stores}, {v_stores}, {k_params}, {v_params}, {k_windows},
+                                              {v_windows}, map, hkv, up, residual, ring});
 }
 
 }  // namespace
@@ -1258,9 +1294,10 @@ TORCH_LIBRARY(kvscope, m) {
   m.def("write_kv(Tensor(a!)[] k_stores, Tensor(b!)[] v_stores, Tensor k, Tensor v, Tensor store_of, "
         "Tensor slot_of) -> ()", &write_kv);
   m.def("write_kv_quant(Tensor(a!)[] k_stores, Tensor(b!)[] v_stores, Tensor(c!)[] k_params, Tensor(d!)[] v_params, "
-        "Tensor(e!)[] k_windows, Tensor(f!)[] v_windows, Tensor k, Tensor v, Tensor store_of, Tensor slot_of, "
-        "int block_size, int bits) -> ()", &write_kv_quant);
+        "Tensor(e!)[] k_windows, Tensor(f!)[] v_windows, Tensor k, Tensor v, Tensor table, Tensor block_store, "
+        "Tensor block_start, int block_size, Tensor q_pos, Tensor upto, int residual, int bits) -> ()",
+        &write_kv_quant);
   m.def("attention_quant(Tensor q, Tensor[] k_stores, Tensor[] v_stores, Tensor[] k_params, Tensor[] v_params, "
         "Tensor[] k_windows, Tensor[] v_windows, Tensor table, Tensor block_store, Tensor block_start, "
-        "int block_size, Tensor q_pos, int bits) -> Tensor", &attention_quant);
+        "int block_size, Tensor q_pos, Tensor upto, int residual, int bits) -> Tensor", &attention_quant);
 }

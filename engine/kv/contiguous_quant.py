@@ -2,9 +2,9 @@
 
 Each sequence reserves codes and scales for the whole context when it starts, as 'contiguous' reserves floats.
 The reservation is quantized in groups of `group` tokens (precision.CONTIGUOUS_GROUP), the way a paged pool
-quantizes its blocks: keys per channel over a group, values per token; the group being filled stays in a
-full-precision window. A group is read like a paged block of that size, by the same attention routine, so a
-contiguous int4 cache gives the same bits as a paged int4 pool whose blocks are as large as the group.
+quantizes its blocks, with the same full-precision window (engine/kv/quantized.py). A group is read like a paged
+block of that size, by the same attention routine, so a contiguous int4 cache gives the same bits as a paged int4
+pool whose blocks are as large as the group.
 """
 
 from __future__ import annotations
@@ -19,15 +19,13 @@ from engine.kv.attention import KeyMap, attend
 from engine.kv.base import KVCacheFull, KVStats, StepView
 from engine.kv.contiguous import ContiguousCache
 from engine.kv.paged import common_prefix_length
-from engine.kv.paged_quant import attend_quantized
 from engine.kv.precision import CONTIGUOUS_GROUP, bytes_per_token
+from engine.kv.quantized import RESIDUAL, QuantState
 
 
 @dataclass
 class QuantReservation:
     tensors: list[torch.Tensor]  # quant.KVCodec.storage: key codes, value codes, key scales, value scales
-    window: torch.Tensor  # [2 (K, V), L, Hkv, group, D] full precision: the group being filled
-    group: int
     length: int = 0
     tokens: list[int] = field(default_factory=list)
 
@@ -40,7 +38,7 @@ class QuantReservation:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors) + self.window.nbytes
+        return sum(t.nbytes for t in self.tensors)
 
 
 class ContiguousQuantView(StepView):
@@ -56,31 +54,39 @@ class ContiguousQuantView(StepView):
         starts = torch.tensor([j * g for n in groups for j in range(n)], dtype=torch.int32)
         self.keys = KeyMap.build(tables, stores.to(cache.device), starts.to(cache.device), g, past, n_new,
                                  cache.device)
+        self.upto = cache.state.upto_tensor(seq_ids)
 
     def attend(self, layer, q, k, v, spec=None):
         c = self.cache
-        ops = kernels.for_activations(q)
-        if ops is None or not (spec is None or spec.is_plain):
-            held = []
-            for i, buf in enumerate(self.buffers):
-                c.store(layer, buf, self.past[i], k[i, :, : self.n_new[i]], v[i, :, : self.n_new[i]])
-                held.append(c.read_keys_values(layer, buf, self.kv_len[i]))
-            keys = KeyMap.one_store_each(self.kv_len, self.past, self.n_new, c.device)
-            return attend(q, [k for k, _ in held], [v for _, v in held], keys, spec)
         stores = [[buf.layers[t][layer] for buf in self.buffers] for t in range(4)]
-        windows = [buf.window[:, layer] for buf in self.buffers]
-        return attend_quantized(ops, q, k, v, stores, windows, self.keys, c.group, c.codec.bits)
+        ops = kernels.for_activations(q)
+        if ops is not None and (spec is None or spec.is_plain):
+            return c.state.attend_compiled(ops, q, k, v, stores, self.seq_ids, layer, self.keys, self.upto)
+        held = []
+        for b, seq_id in enumerate(self.seq_ids):
+            own = [[s[b]] for s in stores]  # this sequence's reservation: store 0, groups at slot j * group
+
+            def locate(p, g=c.group):
+                return 0, p // g * g
+
+            c.state.write(layer, own, seq_id, locate, self.past[b], k[b, :, : self.n_new[b]], v[b, :, : self.n_new[b]])
+            held.append(c.state.read(layer, own, seq_id, locate, self.kv_len[b]))
+        dequantized = KeyMap.one_store_each(self.kv_len, self.past, self.n_new, c.device)
+        return attend(q, [k for k, _ in held], [v for _, v in held], dequantized, spec)
 
 
 class ContiguousQuantCache(ContiguousCache):
-    """codec: quant.INT8 or quant.INT4 (named contiguous-int8, contiguous-int4)."""
+    """codec: quant.INT8 or quant.INT4 (named contiguous-int8, contiguous-int4); residual as PagedQuantCache."""
 
-    def __init__(self, *args, codec: quant.KVCodec = quant.INT8, group: int = CONTIGUOUS_GROUP, **kwargs):
+    def __init__(self, *args, codec: quant.KVCodec = quant.INT8, group: int = CONTIGUOUS_GROUP,
+                 residual: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.codec, self.group = codec, group
         self.name = f"contiguous-{codec.name}"
         self.bytes_per_element = codec.bits / 8
         self.quantization_group = group
+        residual = RESIDUAL[codec.name] if residual is None else residual
+        self.state = QuantState(codec, group, residual, self.config, self.dtype, self.device)
 
     def prepare(self, seq_id, token_ids, reserve_tokens: int | None = None):
         capacity = min(reserve_tokens or self.max_context, self.max_context)
@@ -96,9 +102,8 @@ class ContiguousQuantCache(ContiguousCache):
         c = self.config
         tensors = self.codec.storage(c.num_layers, c.num_kv_heads, capacity // self.group, self.group, c.head_dim,
                                      self.device)
-        window = torch.zeros(2, c.num_layers, c.num_kv_heads, self.group, c.head_dim, dtype=self.dtype,
-                             device=self.device)
-        self.reservations[seq_id] = QuantReservation(tensors, window, self.group)
+        self.reservations[seq_id] = QuantReservation(tensors)
+        self.state.start(seq_id, upto=0)
         return 0
 
     def begin_step(self, seq_ids, new_tokens):
@@ -111,71 +116,42 @@ class ContiguousQuantCache(ContiguousCache):
         view.new_tokens = new_tokens
         return view
 
-    # ---- the pure PyTorch path: quantize full groups, read a sequence back in full precision
-    def store(self, layer: int, buf: QuantReservation, past: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [Hkv, N, D] new tokens at positions past..past+N-1; the groups they fill are quantized."""
-        g, held = self.group, past % self.group
-        window = buf.window[:, layer]
-        keys = torch.cat([window[0, :, :held], k], dim=1)  # [Hkv, held + N, D]
-        values = torch.cat([window[1, :, :held], v], dim=1)
-        h, n, d = keys.shape
-        full, first = n // g, past // g
-        if full:
-            k_codes, v_codes, k_params, v_params = (t[layer] for t in buf.layers)
-            k_q, k_s = self.codec.quantize_keys(keys[:, : full * g].reshape(h, full, g, d))
-            v_q, v_s = self.codec.quantize_values(values[:, : full * g])
-            k_codes[:, first * g:(first + full) * g] = k_q.reshape(h, full * g, -1)
-            k_params[:, first:first + full] = k_s
-            v_codes[:, first * g:(first + full) * g] = v_q
-            v_params[:, first * g:(first + full) * g] = v_s
-        window[0, :, : n - full * g] = keys[:, full * g:]
-        window[1, :, : n - full * g] = values[:, full * g:]
+    def commit_step(self, view):
+        for seq_id, end in zip(view.seq_ids, view.kv_len):
+            self.state.commit(seq_id, end)
+        super().commit_step(view)
 
-    def read_keys_values(self, layer: int, buf: QuantReservation, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> keys, values [Hkv, length, D] of the sequence in position order, dequantized."""
-        full = length // self.group
-        keys, values = self.dequantize_groups(layer, buf, 0, full)
-        window = buf.window[:, layer, :, : length - full * self.group]
-        return torch.cat([keys, window[0]], dim=1), torch.cat([values, window[1]], dim=1)
-
-    def dequantize_groups(self, layer: int, buf: QuantReservation, first: int, end: int):
-        """Groups first..end-1 in full precision: keys, values [Hkv, (end - first) * group, D]."""
-        g = self.group
-        k_codes, v_codes, k_params, v_params = (t[layer] for t in buf.layers)
-        slots = slice(first * g, end * g)
-        keys = self.codec.dequantize_keys(k_codes[:, slots].reshape(k_codes.shape[0], end - first, g, -1),
-                                          k_params[:, first:end], self.dtype)
-        return keys, self.codec.dequantize_values(v_codes[:, slots], v_params[:, slots], self.dtype)
-
-    # ---- keeping the window consistent
     def truncate(self, seq_id, keep):
         self.check_truncate(seq_id, keep)
         buf = self.reservations.get(seq_id)
         if buf is None:
             return
-        g, rest = self.group, keep % self.group
-        if rest and keep // g < buf.length // g:  # back into a group that was full: it returns to the window
-            for layer in range(self.config.num_layers):
-                k, v = self.dequantize_groups(layer, buf, keep // g, keep // g + 1)
-                buf.window[0, layer, :, :rest] = k[:, :rest]
-                buf.window[1, layer, :, :rest] = v[:, :rest]
+        g = self.group
+
+        def block_of(layer, p):
+            return self.state.block([[t[layer]] for t in buf.layers], 0, p // g * g)
+
+        self.state.truncate(seq_id, keep, block_of)
         buf.length = keep
         del buf.tokens[keep:]
+
+    def release(self, seq_id):
+        self.state.release(seq_id)
+        super().release(seq_id)
 
     def fork(self, src: int, dst: int) -> None:
         buf = self.reservations[src]
         self.release(dst)
-        copy = QuantReservation([t.clone() for t in buf.tensors], buf.window.clone(), buf.group, buf.length,
-                                list(buf.tokens))
-        self.reservations[dst] = copy
+        self.reservations[dst] = QuantReservation([t.clone() for t in buf.tensors], buf.length, list(buf.tokens))
+        self.state.fork(src, dst)
 
     # ---- figures
     def theoretical_bytes(self, tokens: int) -> int:
         return int(bytes_per_token(self.config, self.codec.name, self.group) * tokens)
 
     def stats(self, seq_id=None):
-        reserved = sum(r.nbytes for r in self.reservations.values())
-        windows = sum(r.window.nbytes for r in self.reservations.values())
+        windows = self.state.window_bytes()
+        reserved = sum(r.nbytes for r in self.reservations.values()) + windows
         live = sum(r.length for r in self.reservations.values())
         formula = self.theoretical_bytes(live)
         return KVStats(self.name, tokens=self.tokens_held(seq_id), bytes_allocated=reserved,
