@@ -27,6 +27,11 @@ MIN_FIGURES_HEIGHT = 120
 PARTS = ("latency", "memory", "figures")
 LATENCY_ITEMS = ("decode", "prefill", "verify")
 STYLE_GREY = "#8b93a1"
+RIGHT_MARGIN = 14  # pixels between a plot's last point and the panel's edge
+# where the weights' label may sit on its line: (position along the line, anchors) - below, then above it
+WEIGHTS_ROOM = 2.2  # the view reaches this factor above the weights' line: room for its label above it
+LABEL_PLACES = tuple((position, anchors) for position in (0.02, 0.35, 0.65)
+                     for anchors in ([(0, 0), (0, 0)], [(0, 1), (0, 1)]))
 
 
 def _pen(color: str, width: float = 1.5, style=Qt.PenStyle.SolidLine, alpha: int = 255):
@@ -71,6 +76,25 @@ def _prefill_pen(color: str):
     return _pen(color, 1.2, Qt.PenStyle.DashLine, alpha=200)
 
 
+def _crosses(x: np.ndarray, y: np.ndarray, rect) -> bool:
+    """Whether the polyline through (x, y) (view coordinates; NaN breaks it) passes through rect."""
+    if x is None or not len(x):
+        return False
+    left, right = min(rect.left(), rect.right()), max(rect.left(), rect.right())
+    low, high = min(rect.top(), rect.bottom()), max(rect.top(), rect.bottom())
+    finite = np.isfinite(x) & np.isfinite(y)
+    x, y = x[finite], y[finite]
+    inside = (x >= left) & (x <= right) & (y >= low) & (y <= high)
+    if inside.any():
+        return True
+    if len(x) < 2:
+        return False
+    xs = np.linspace(left, right, 32)  # a line through the rectangle between two points outside it
+    order = np.argsort(x)
+    through = np.interp(xs, x[order], y[order], left=np.nan, right=np.nan)
+    return bool(np.any((through >= low) & (through <= high)))
+
+
 class MetricsPanel(QWidget):
     """add_step() for every StepEvent; turn_finished() for every DoneEvent; set_model_info() on load."""
 
@@ -103,10 +127,32 @@ class MetricsPanel(QWidget):
         more than the model itself."""
         if not info.weights_bytes:
             self.weights_line.hide()
+            self.weights_room.setData([], [])
             return
         self.weights_line.show()  # first: a hidden label ignores new text
         self.weights_line.setValue(math.log10(info.weights_bytes / MIB))  # the plot's y is log10(MiB)
+        self.weights_room.setData([0, 0], [info.weights_bytes / MIB, info.weights_bytes / MIB * WEIGHTS_ROOM])
         self.weights_line.label.setFormat(f"weights ({info.weight_format}) {info.weights_bytes / MIB:,.0f} MiB")
+        self.place_weights_label()
+
+    def place_weights_label(self) -> None:
+        """Put the weights' label on its line where no memory curve crosses it: the first free place of
+        LABEL_PLACES (the first one when none is free)."""
+        label = self.weights_line.label
+        if not self.weights_line.isVisible():
+            return
+        curves = [item.getData() for item in self.memory_plot.getPlotItem().listDataItems()
+                  if item.getData()[0] is not None and not getattr(item, "legend_key", False)]
+        view = self.memory_plot.getPlotItem().vb.viewRect()
+        for position, anchors in LABEL_PLACES:
+            label.anchors = anchors
+            label.setPosition(position)
+            rect = label.mapRectToView(label.boundingRect())
+            inside = view.top() <= min(rect.top(), rect.bottom()) and max(rect.top(), rect.bottom()) <= view.bottom()
+            if inside and not any(_crosses(x, y, rect) for x, y in curves):
+                return
+        label.anchors = LABEL_PLACES[0][1]
+        label.setPosition(LABEL_PLACES[0][0])
 
     def add_step(self, event) -> None:
         self.log.add(event)
@@ -216,6 +262,12 @@ class MetricsPanel(QWidget):
                                                                         "anchors": [(0, 0), (0, 0)]})  # below it
         self.weights_line.hide()
         self.memory_plot.addItem(self.weights_line)
+        self.weights_room = pg.PlotDataItem(pen=pg.mkPen(None))  # invisible: the autorange keeps the label's room
+        self.weights_room.setLogMode(False, True)
+        self.memory_plot.getPlotItem().vb.addItem(self.weights_room)
+        self.memory_plot.getPlotItem().sigRangeChanged.connect(lambda *_: self.place_weights_label())
+        for plot in (self.latency_plot, self.memory_plot):
+            plot.getPlotItem().layout.setContentsMargins(0, 0, RIGHT_MARGIN, 0)
         self.latency_plot.getPlotItem().getAxis("bottom").showLabel(False)  # named once, under the lower plot
         self.latency_box = PlotBox("Per-token latency (log scale)", self.latency_plot, self.plots)
         self.memory_box = PlotBox("KV cache memory (log scale)", self.memory_plot, self.plots)
@@ -319,6 +371,8 @@ class MetricsPanel(QWidget):
                 items[name].setData(x, run.values(name))
         run.dirty.discard(plot)
         update_headroom(self.latency_plot if plot == "latency" else self.memory_plot)
+        if plot == "memory":
+            self.place_weights_label()
         self._sync_legends()
 
     def _sync_legends(self) -> None:
