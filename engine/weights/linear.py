@@ -123,6 +123,7 @@ class Int8Linear(WeightLinear):
 
     def __init__(self, q: QuantizedWeight):
         super().__init__(*q.shape)
+        q = regrouped_for_kernel(q)
         self.group_size = q.group_size
         self.register_buffer("codes", q.codes.contiguous())  # [N, K] int8
         self.register_buffer("scales", q.scales.contiguous())  # [N, G] float16
@@ -176,6 +177,18 @@ class Int8Linear(WeightLinear):
 
     def quantized(self) -> QuantizedWeight:
         return QuantizedWeight(8, self.codes, self.scales)
+
+
+def regrouped_for_kernel(q: QuantizedWeight) -> QuantizedWeight:
+    """Groups the compiled kernel cannot read (GGUF Q6_K's 16) requantized to int8 groups of 32 where the kernel
+    runs: 8 bits for the file's 6, each value moved by at most half an int8 step (torch's fallback would take one
+    call per group of 16 and round the activations to bfloat16). Elsewhere the weight is kept as it came."""
+    n, k = q.shape
+    if q.group_size % 32 == 0 or k % 32 or compiled_ops(q.codes) is None:
+        return q
+    from engine.weights.gguf_blocks import quantize_int8_groups
+
+    return quantize_int8_groups(q.dequantize(), 32)
 
 
 class Int4Linear(WeightLinear):
@@ -268,7 +281,7 @@ def unpack_cpu_int4pack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 def pick_int8_kernel(module: Int8Linear) -> str:
     """The weight-only int8 kernel when this build and device run it correctly, else dequantize per call."""
-    x = torch.randn(1, module.in_features, dtype=torch.float32, device=module.codes.device)
+    x = torch.randn(1, module.in_features, generator=torch.Generator().manual_seed(0)).to(module.codes.device)
     module.kernel_name = "aten._weight_int8pack_mm (bfloat16 activations)"
     try:
         got = module.decode(x)[:, :64]
