@@ -151,6 +151,7 @@ class EngineConfig:
     prefix_reuse: bool = True  # keep a conversation's cache between turns and reuse the common prefix
     kv_dtype: str | None = None  # K/V storage of contiguous and paged: KV_DTYPES (None: the activations' dtype)
     kv_residual: int | None = None  # quantized KV: newest tokens kept in full precision (None: the precision's own)
+    kv_sink: int | None = None  # quantized KV: first tokens kept in full precision (None: the precision's own)
 
     def __post_init__(self):
         self.validate()
@@ -170,8 +171,10 @@ class EngineConfig:
             raise ConfigError(f"prefix_reuse must be True or False, got {self.prefix_reuse!r}")
         if self.dtype not in (None, "float32", "float16", "bfloat16"):
             raise ConfigError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
-        if self.kv_residual is not None and (not isinstance(self.kv_residual, int) or self.kv_residual < 0):
-            raise ConfigError(f"kv_residual must be a whole number of tokens >= 0, got {self.kv_residual!r}")
+        for name in ("kv_residual", "kv_sink"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ConfigError(f"{name} must be a whole number of tokens >= 0, got {value!r}")
         if self.kv_dtype not in (None, *KV_DTYPES):
             raise ConfigError(f"unknown KV precision {self.kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
         if self.weights not in (None, *WEIGHT_FORMATS):

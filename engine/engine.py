@@ -77,13 +77,13 @@ def _new_cache(strategy: str, engine: Engine, block_size: int, pool_tokens: int 
     args = (engine.model_config, dtype, engine.device, engine.max_context)
     if layout == "none":
         return RecomputeCache(*args)
-    residual = engine.config.kv_residual
+    full_precision = {"residual": engine.config.kv_residual, "sink": engine.config.kv_sink}
     if layout == "contiguous":
-        return ContiguousQuantCache(*args, codec=codec, residual=residual) if codec else ContiguousCache(*args)
+        return ContiguousQuantCache(*args, codec=codec, **full_precision) if codec else ContiguousCache(*args)
     budget = engine.config.kv_budget_mib
     sizes = {"block_size": block_size, "pool_tokens": pool_tokens,
              "budget_bytes": None if budget is None else int(budget * 2**20)}
-    return PagedQuantCache(*args, codec=codec, residual=residual, **sizes) if codec else PagedCache(*args, **sizes)
+    return PagedQuantCache(*args, codec=codec, **full_precision, **sizes) if codec else PagedCache(*args, **sizes)
 
 
 class Engine:

@@ -17,6 +17,7 @@ from tests.engine_helpers import one_torch_thread
 from tests.test_batch_invariance import PROMPT, decode, same_bits
 
 QUANTIZED = ("int8", "int4")
+SMALL = {"kv_residual": 32, "kv_sink": 8}  # the tiny model's short prompts: a residual and a sink that they pass
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -38,10 +39,36 @@ def test_a_layout_stores_codes_and_scales_in_the_precision_it_was_given(tiny_eng
     assert stats.bytes_window > 0 and stats.bytes_used >= stats.bytes_theoretical + stats.bytes_window
 
 
-def test_contiguous_int4_gives_the_bits_of_a_paged_int4_pool_with_blocks_of_its_group(tiny_engine_factory):
-    contiguous = decode(tiny_engine_factory("contiguous", 16, kv_dtype="int4"), 1, PROMPT, 24)
-    paged = decode(tiny_engine_factory("paged", CONTIGUOUS_GROUP, kv_dtype="int4"), 1, PROMPT, 24)
+@pytest.mark.parametrize("full_precision", [{"kv_residual": 0, "kv_sink": 0}, SMALL])
+def test_contiguous_int4_gives_the_bits_of_a_paged_int4_pool_with_blocks_of_its_group(tiny_engine_factory,
+                                                                                     full_precision):
+    contiguous = decode(tiny_engine_factory("contiguous", 16, kv_dtype="int4", **full_precision), 1, PROMPT, 64)
+    paged = decode(tiny_engine_factory("paged", CONTIGUOUS_GROUP, kv_dtype="int4", **full_precision), 1, PROMPT, 64)
     assert same_bits(contiguous, paged)
+
+
+def test_the_residual_and_the_sink_are_read_in_full_precision_and_the_middle_as_codes(tiny_engine_factory):
+    engine = tiny_engine_factory("paged", 8, kv_dtype="int4", **SMALL)
+    decode(engine, 1, PROMPT, 64)
+    held = engine.cache.tokens_held(1)
+    state = engine.cache.state
+    assert state.seqs[1].upto == (held - 32) // 8 * 8 > 8  # the blocks 32 tokens behind the newest hold codes
+    assert engine.cache.seqs[1].hashes and len(engine.cache.seqs[1].hashes) == state.seqs[1].upto // 8
+    full = decode(tiny_engine_factory("paged", 8, kv_dtype="float32"), 1, PROMPT, 64)
+    none = decode(tiny_engine_factory("paged", 8, kv_dtype="int4", kv_residual=0, kv_sink=0), 1, PROMPT, 64)
+    kept = decode(tiny_engine_factory("paged", 8, kv_dtype="int4", **SMALL), 1, PROMPT, 64)
+    error = [float((a - b).abs().max()) for a, b in zip(kept, full)]
+    error_without = [float((a - b).abs().max()) for a, b in zip(none, full)]
+    assert sum(error) < sum(error_without)  # full precision where attention looks most costs less error
+
+
+def test_a_sequence_sharing_a_quantized_prefix_reads_the_sink_its_first_holder_kept(tiny_engine_factory):
+    engine = tiny_engine_factory("paged", 8, kv_dtype="int4", **SMALL)
+    prompt = PROMPT * 3
+    first = decode(engine, 1, prompt, 1)
+    assert engine.cache.prepare(2, prompt) > 0  # the prefix cache serves the second sequence
+    second = engine.step([2], [prompt[engine.cache.tokens_held(2):]])[0]
+    assert torch.equal(second, first[0])
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the compiled CPU kernels are not built here")

@@ -180,11 +180,11 @@ def make_cache(engine: Engine, strategy: str, block_size: int = 16, pool_tokens:
     args = (engine.model_config, float_dtype, engine.device, max_context or engine.max_context)
     if layout == "none":
         return RecomputeCache(*args)
-    residual = engine.config.kv_residual
+    full_precision = {"residual": engine.config.kv_residual, "sink": engine.config.kv_sink}
     if layout == "contiguous":
-        return ContiguousQuantCache(*args, codec=codec, residual=residual) if codec else ContiguousCache(*args)
+        return ContiguousQuantCache(*args, codec=codec, **full_precision) if codec else ContiguousCache(*args)
     if codec:
-        return PagedQuantCache(*args, codec=codec, block_size=block_size, pool_tokens=pool_tokens, residual=residual)
+        return PagedQuantCache(*args, codec=codec, block_size=block_size, pool_tokens=pool_tokens, **full_precision)
     return PagedCache(*args, block_size=block_size, pool_tokens=pool_tokens)
 
 

@@ -673,12 +673,16 @@ void attend_tile(const float* q, float* part, const K& keys, const V& values, co
 // residual; 0: when the block fills), and only from the sequence's boundary `upto` on (blocks below it hold
 // their codes already, maybe shared with other sequences). The quantized positions are [0, full) with
 // full = max(upto, floor((kv_len - residual) / block_size) * block_size); the window holds [full, kv_len).
+// The first `sink` positions are also kept in full precision, in the sequence's sink rows, and read from there
+// (the first tokens draw much of every query's attention: an attention sink, as StreamingLLM calls them).
 // Attention reads the codes in place: a block's key scales fold into the query (q * scale, plus q . min), a
 // token's value scale into its softmax weight, so no float copy of a key or value is ever made.
 
 template <int BITS>
 struct QuantRows {
   int64_t first = 0, full = 0, ring = 1;  // ring: the window's rows (position p in row p % ring)
+  int64_t sink = 0;                     // positions below it are read from the sink rows
+  const float* sink_rows = nullptr;     // [sink, D]
   std::vector<const uint8_t*> code;    // per quantized position from `first`: its codes
   std::vector<const uint16_t*> param;  // keys: the block's [D] scales (int4: then [D] minimums); values: the
                                        // token's scale (int4: then its minimum)
@@ -807,14 +811,14 @@ void attend_tile(const float* q, float* part, const QuantRows<BITS>& keys, const
                  const int32_t* pos, int64_t rows, int64_t group, int64_t d, int64_t k0, int64_t k1) {
   constexpr int64_t VALUES_AT_ONCE = 32;
   int64_t n = k1 - k0, padded = (n + 7) / 8 * 8, nq = rows * group, stride = d + 2;
-  int64_t qend = std::clamp(keys.full, k0, k1);
+  int64_t qstart = std::clamp(keys.sink, k0, k1), qend = std::clamp(keys.full, qstart, k1);  // codes: [qstart, qend)
   thread_local std::vector<float> scores, qs;
   thread_local std::vector<const float*> window_k, window_v;
   scores.assign(nq * padded, 0.f);
   qs.resize(d);
   std::vector<int64_t> last(nq);  // each vector's last key in this tile, from k0
   for (int64_t i = 0; i < nq; ++i) last[i] = std::min<int64_t>(pos[i / group], k1 - 1) - k0;
-  for (int64_t s = k0; s < qend;) {  // one block of keys (one set of scales) at a time
+  for (int64_t s = qstart; s < qend;) {  // one block of keys (one set of scales) at a time
     const uint16_t* prm = keys.param[s - keys.first];
     int64_t e = s + 1;
     while (e < qend && keys.param[e - keys.first] == prm) ++e;
@@ -826,15 +830,22 @@ void attend_tile(const float* q, float* part, const QuantRows<BITS>& keys, const
     }
     s = e;
   }
-  window_k.resize(k1 - qend);
-  window_v.resize(k1 - qend);
-  for (int64_t p = qend; p < k1; ++p) {
-    window_k[p - qend] = keys.window + (p % keys.ring) * d;
-    window_v[p - qend] = values.window + (p % values.ring) * d;
+  // full-precision rows: the sink's [k0, qstart), the window's [qend, k1), each scored in position order
+  window_k.resize(n);
+  window_v.resize(n);
+  for (int64_t p = k0; p < qstart; ++p) {
+    window_k[p - k0] = keys.sink_rows + p * d;
+    window_v[p - k0] = values.sink_rows + p * d;
   }
-  for (int64_t i = 0; i < nq; ++i)
-    if (qend - k0 <= last[i])
-      score_keys(q + i * d, window_k.data(), k0 + last[i] + 1 - qend, d, scores.data() + i * padded + qend - k0);
+  for (int64_t p = qend; p < k1; ++p) {
+    window_k[p - k0] = keys.window + (p % keys.ring) * d;
+    window_v[p - k0] = values.window + (p % values.ring) * d;
+  }
+  for (auto [a, b] : {std::pair{k0, qstart}, std::pair{qend, k1}})
+    for (int64_t i = 0; i < nq; ++i)
+      if (a < b && a - k0 <= last[i])
+        score_keys(q + i * d, window_k.data() + (a - k0), std::min(b, k0 + last[i] + 1) - a, d,
+                   scores.data() + i * padded + a - k0);
   for (int64_t i = 0; i < nq; ++i) {
     float* pi = part + i * stride;
     pi[0] = -std::numeric_limits<float>::infinity();
@@ -845,15 +856,19 @@ void attend_tile(const float* q, float* part, const QuantRows<BITS>& keys, const
     pi[0] = *std::max_element(si, si + last[i] + 1);
     pi[1] = softmax_row(si, last[i], padded, pi[0]);
   }
-  for (int64_t p = k0; p < qend; p += VALUES_AT_ONCE)
+  for (int64_t i = 0; i < nq; ++i)
+    if (qstart > k0 && 0 <= last[i])
+      weigh_values(scores.data() + i * padded, window_v.data(), std::min(qstart, k0 + last[i] + 1) - k0,
+                   part + i * stride + 2, d);
+  for (int64_t p = qstart; p < qend; p += VALUES_AT_ONCE)
     for (int64_t i = 0; i < nq; ++i)
       if (p - k0 <= last[i])
         weigh_codes<BITS>(scores.data() + i * padded + p - k0, values.code.data() + (p - values.first),
                           values.param.data() + (p - values.first),
                           std::min({VALUES_AT_ONCE, qend - p, k0 + last[i] + 1 - p}), part + i * stride + 2, d);
   for (int64_t i = 0; i < nq; ++i)
-    if (qend - k0 <= last[i])
-      weigh_values(scores.data() + i * padded + qend - k0, window_v.data(), k0 + last[i] + 1 - qend,
+    if (qend < k1 && qend - k0 <= last[i])
+      weigh_values(scores.data() + i * padded + qend - k0, window_v.data() + (qend - k0), k0 + last[i] + 1 - qend,
                    part + i * stride + 2, d);
 }
 
@@ -1078,11 +1093,12 @@ at::Tensor attention(const at::Tensor& q, std::vector<at::Tensor> k_stores, std:
 }
 
 // the windows hold residual + block_size rows (what the sequence keeps in full precision at most)
-void check_ring(const std::vector<at::Tensor>& windows, const at::Tensor& upto, int64_t residual, int64_t bs,
-                int64_t batch) {
+void check_ring(const std::vector<at::Tensor>& windows, const at::Tensor& upto, int64_t residual, int64_t sink,
+                int64_t bs, int64_t batch) {
   TORCH_CHECK(upto.scalar_type() == at::kInt && upto.is_contiguous() && upto.numel() == batch, "upto: int32 [B]");
-  TORCH_CHECK(residual >= 0 && residual % bs == 0, "residual: a multiple of the block size");
-  for (const auto& w : windows) TORCH_CHECK(w.size(1) == residual + bs, "windows: residual + block_size rows");
+  TORCH_CHECK(residual >= 0 && residual % bs == 0 && sink >= 0, "residual: a multiple of the block size");
+  for (const auto& w : windows)
+    TORCH_CHECK(w.size(1) == sink + residual + bs, "windows: sink + residual + block_size rows");
 }
 
 inline int64_t quantized_end(int64_t upto, int64_t kv_len, int64_t residual, int64_t bs) {
@@ -1093,23 +1109,27 @@ template <int BITS>
 struct QuantStores {
   StoreAddresses<uint8_t> k, v;  // codes [Hkv, slots, D] int8 or [Hkv, slots, D/2] two int4 a byte
   StoreAddresses<at::Half> k_param, v_param;  // [Hkv, blocks, D] / [Hkv, blocks, 2, D]; [Hkv, slots] / [Hkv, slots, 2]
-  StoreAddresses<float> k_window, v_window;  // per sequence [Hkv, W, D] float32
+  StoreAddresses<float> k_window, v_window;  // per sequence [Hkv, sink + ring, D] float32: sink rows, then the ring
   const StepMap& map;
   int64_t hkv;
   const int32_t* upto;
-  int64_t residual, ring;
+  int64_t residual, ring, sink;
   int64_t num_kv_heads() const { return hkv; }
   std::pair<QuantRows<BITS>, QuantRows<BITS>> operator()(int64_t b, int64_t h, int64_t k0, int64_t k1) const {
     QuantRows<BITS> keys, values;
     int64_t full = quantized_end(upto[b], map.kv_len(b), residual, map.block_size);
     keys.full = values.full = full;
     keys.ring = values.ring = ring;
+    keys.sink = values.sink = sink;
+    keys.sink_rows = k_window.at(b, h, 0);
+    values.sink_rows = v_window.at(b, h, 0);
+    keys.window = keys.sink_rows + sink * k_window.slot_stride[b];
+    values.window = values.sink_rows + sink * v_window.slot_stride[b];
     keys.first = values.first = k0;
-    keys.window = k_window.at(b, h, 0);
-    values.window = v_window.at(b, h, 0);
-    int64_t quantized = std::max<int64_t>(0, std::min(k1, full) - k0);
+    int64_t quantized = std::max<int64_t>(0, std::min(k1, full) - k0);  // (positions below the sink unread)
     for (auto* rows : {&keys, &values}) rows->code.resize(quantized), rows->param.resize(quantized);
-    map.each_position(b, k0, k0 + quantized, [&](int64_t p, int64_t store, int64_t slot) {
+    map.each_position(b, std::max(k0, std::min(sink, k0 + quantized)), k0 + quantized,
+                      [&](int64_t p, int64_t store, int64_t slot) {
       keys.code[p - k0] = k.at(store, h, slot);
       values.code[p - k0] = v.at(store, h, slot);
       keys.param[p - k0] = reinterpret_cast<const uint16_t*>(k_param.at(store, h, slot / map.block_size));
@@ -1194,9 +1214,9 @@ void write_quant(const std::vector<at::Tensor>& k_stores, const std::vector<at::
                  const std::vector<at::Tensor>& k_params, const std::vector<at::Tensor>& v_params,
                  const std::vector<at::Tensor>& k_windows, const std::vector<at::Tensor>& v_windows,
                  const at::Tensor& k, const at::Tensor& v, const StepMap& map, const int32_t* upto,
-                 int64_t residual) {
+                 int64_t residual, int64_t sink) {
   int64_t b = k.size(0), h = k.size(1), t = k.size(2), d = k.size(3), bs = map.block_size;
-  int64_t ring = k_windows[0].size(1);
+  int64_t ring = k_windows[0].size(1) - sink;
   StoreAddresses<uint8_t> kq(k_stores), vq(v_stores);
   StoreAddresses<at::Half> kp(k_params), vp(v_params);
   StoreAddresses<float> kw(k_windows), vw(v_windows);
@@ -1215,10 +1235,15 @@ void write_quant(const std::vector<at::Tensor>& k_stores, const std::vector<at::
       int64_t blk = quantize ? map.table[bi * map.width + first / bs] : 0;
       int64_t store = map.block_store[blk], start = map.block_start[blk];
       for (int64_t hi = 0; hi < h; ++hi) {
-        float* kwin = const_cast<float*>(kw.at(bi, hi, 0));
-        float* vwin = const_cast<float*>(vw.at(bi, hi, 0));
-        std::copy_n(kx + ((bi * h + hi) * t + ti) * d, d, kwin + (p % ring) * d);
-        std::copy_n(vx + ((bi * h + hi) * t + ti) * d, d, vwin + (p % ring) * d);
+        float* kwin = const_cast<float*>(kw.at(bi, hi, sink));
+        float* vwin = const_cast<float*>(vw.at(bi, hi, sink));
+        const float *krow = kx + ((bi * h + hi) * t + ti) * d, *vrow = vx + ((bi * h + hi) * t + ti) * d;
+        std::copy_n(krow, d, kwin + (p % ring) * d);
+        std::copy_n(vrow, d, vwin + (p % ring) * d);
+        if (p < sink) {  // the sink's rows come first in the window tensor
+          std::copy_n(krow, d, const_cast<float*>(kw.at(bi, hi, p)));
+          std::copy_n(vrow, d, const_cast<float*>(vw.at(bi, hi, p)));
+        }
         if (!quantize) continue;
         for (int64_t r = 0; r < bs; ++r) {
           std::copy_n(kwin + ((first + r) % ring) * d, d, k_block.data() + r * d);
@@ -1240,7 +1265,7 @@ void write_kv_quant(std::vector<at::Tensor> k_stores, std::vector<at::Tensor> v_
                     std::vector<at::Tensor> k_windows, std::vector<at::Tensor> v_windows, const at::Tensor& k,
                     const at::Tensor& v, const at::Tensor& table, const at::Tensor& block_store,
                     const at::Tensor& block_start, int64_t block_size, const at::Tensor& q_pos, const at::Tensor& upto,
-                    int64_t residual, int64_t bits) {
+                    int64_t residual, int64_t sink, int64_t bits) {
   TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes() &&
                   k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "k, v: contiguous float32 [B, Hkv, T, D]");
@@ -1249,12 +1274,12 @@ void write_kv_quant(std::vector<at::Tensor> k_stores, std::vector<at::Tensor> v_
   check_quant_stores(bits, k_stores, v_stores, k_params, v_params, k_windows, v_windows);
   StepMap map = step_map(table, block_store, block_start, block_size, q_pos);
   TORCH_CHECK(map.t == k.size(2) && q_pos.size(0) == k.size(0), "q_pos: [B, T] for the new tokens");
-  check_ring(k_windows, upto, residual, block_size, k.size(0));
+  check_ring(k_windows, upto, residual, sink, block_size, k.size(0));
   const int32_t* up = upto.data_ptr<int32_t>();
   if (bits == 8)
-    write_quant<8>(k_stores, v_stores, k_params, v_params, k_windows, v_windows, k, v, map, up, residual);
+    write_quant<8>(k_stores, v_stores, k_params, v_params, k_windows, v_windows, k, v, map, up, residual, sink);
   else
-    write_quant<4>(k_stores, v_stores, k_params, v_params, k_windows, v_windows, k, v, map, up, residual);
+    write_quant<4>(k_stores, v_stores, k_params, v_params, k_windows, v_windows, k, v, map, up, residual, sink);
 }
 
 // a quantized cache: as `attention`, over codes and their scales, and per sequence a float32 window holding its
@@ -1264,19 +1289,19 @@ at::Tensor attention_quant(const at::Tensor& q, std::vector<at::Tensor> k_stores
                            std::vector<at::Tensor> k_windows, std::vector<at::Tensor> v_windows,
                            const at::Tensor& table, const at::Tensor& block_store, const at::Tensor& block_start,
                            int64_t block_size, const at::Tensor& q_pos, const at::Tensor& upto, int64_t residual,
-                           int64_t bits) {
+                           int64_t sink, int64_t bits) {
   TORCH_CHECK(k_windows.size() == static_cast<size_t>(q.size(0)), "one window per sequence");
   TORCH_CHECK(q.size(3) % 16 == 0, "head_dim must be a multiple of 16");
   check_quant_stores(bits, k_stores, v_stores, k_params, v_params, k_windows, v_windows);
-  check_ring(k_windows, upto, residual, block_size, q.size(0));
+  check_ring(k_windows, upto, residual, sink, block_size, q.size(0));
   StepMap map = step_map(table, block_store, block_start, block_size, q_pos);
-  int64_t hkv = k_stores[0].size(0), ring = k_windows[0].size(1);
+  int64_t hkv = k_stores[0].size(0), ring = k_windows[0].size(1) - sink;
   const int32_t* up = upto.data_ptr<int32_t>();
   if (bits == 8)
     return run_attention(q, map, QuantStores<8>{{k_stores}, {v_stores}, {k_params}, {v_params}, {k_windows},
-                                                {v_windows}, map, hkv, up, residual, ring});
+                                                {v_windows}, map, hkv, up, residual, ring, sink});
   return run_attention(q, map, QuantStores<4>{{k_stores}, {v_stores}, {k_params}, {v_params}, {k_windows},
-                                              {v_windows}, map, hkv, up, residual, ring});
+                                              {v_windows}, map, hkv, up, residual, ring, sink});
 }
 
 }  // namespace
@@ -1295,9 +1320,9 @@ TORCH_LIBRARY(kvscope, m) {
         "Tensor slot_of) -> ()", &write_kv);
   m.def("write_kv_quant(Tensor(a!)[] k_stores, Tensor(b!)[] v_stores, Tensor(c!)[] k_params, Tensor(d!)[] v_params, "
         "Tensor(e!)[] k_windows, Tensor(f!)[] v_windows, Tensor k, Tensor v, Tensor table, Tensor block_store, "
-        "Tensor block_start, int block_size, Tensor q_pos, Tensor upto, int residual, int bits) -> ()",
+        "Tensor block_start, int block_size, Tensor q_pos, Tensor upto, int residual, int sink, int bits) -> ()",
         &write_kv_quant);
   m.def("attention_quant(Tensor q, Tensor[] k_stores, Tensor[] v_stores, Tensor[] k_params, Tensor[] v_params, "
         "Tensor[] k_windows, Tensor[] v_windows, Tensor table, Tensor block_store, Tensor block_start, "
-        "int block_size, Tensor q_pos, Tensor upto, int residual, int bits) -> Tensor", &attention_quant);
+        "int block_size, Tensor q_pos, Tensor upto, int residual, int sink, int bits) -> Tensor", &attention_quant);
 }

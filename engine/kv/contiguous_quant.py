@@ -20,7 +20,7 @@ from engine.kv.base import KVCacheFull, KVStats, StepView
 from engine.kv.contiguous import ContiguousCache
 from engine.kv.paged import common_prefix_length
 from engine.kv.precision import CONTIGUOUS_GROUP, bytes_per_token
-from engine.kv.quantized import RESIDUAL, QuantState
+from engine.kv.quantized import RESIDUAL, SINK, QuantState
 
 
 @dataclass
@@ -76,17 +76,18 @@ class ContiguousQuantView(StepView):
 
 
 class ContiguousQuantCache(ContiguousCache):
-    """codec: quant.INT8 or quant.INT4 (named contiguous-int8, contiguous-int4); residual as PagedQuantCache."""
+    """codec: quant.INT8 or quant.INT4 (named contiguous-int8, contiguous-int4); residual, sink as PagedQuantCache."""
 
     def __init__(self, *args, codec: quant.KVCodec = quant.INT8, group: int = CONTIGUOUS_GROUP,
-                 residual: int | None = None, **kwargs):
+                 residual: int | None = None, sink: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.codec, self.group = codec, group
         self.name = f"contiguous-{codec.name}"
         self.bytes_per_element = codec.bits / 8
         self.quantization_group = group
         residual = RESIDUAL[codec.name] if residual is None else residual
-        self.state = QuantState(codec, group, residual, self.config, self.dtype, self.device)
+        sink = SINK[codec.name] if sink is None else sink
+        self.state = QuantState(codec, group, residual, sink, self.config, self.dtype, self.device)
 
     def prepare(self, seq_id, token_ids, reserve_tokens: int | None = None):
         capacity = min(reserve_tokens or self.max_context, self.max_context)

@@ -8,6 +8,8 @@ newer tokens follow it. A block enters the prefix cache only once it holds its c
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from engine import kernels
@@ -15,7 +17,9 @@ from engine.kv import quant
 from engine.kv.attention import KeyMap, attend
 from engine.kv.paged import PagedCache, PagedView, Sequence
 from engine.kv.precision import bytes_per_token
-from engine.kv.quantized import RESIDUAL, QuantState, locator
+from engine.kv.quantized import RESIDUAL, SINK, QuantState, locator
+
+SINK_CACHE_BLOCKS = 16  # sink rows of prefix-cached blocks kept (as held: exact), most recently used first
 
 
 class QuantView(PagedView):
@@ -43,16 +47,20 @@ class QuantView(PagedView):
 
 class PagedQuantCache(PagedCache):
     """codec: quant.INT8 or quant.INT4 (the cache's name says which: paged-int8, paged-int4); residual: tokens
-    kept in full precision after the last quantized block (None: the precision's default, quantized.RESIDUAL)."""
+    kept in full precision after the last quantized block, sink: the first tokens kept so (None: the precision's
+    defaults, quantized.RESIDUAL and SINK)."""
 
-    def __init__(self, *args, codec: quant.KVCodec = quant.INT8, residual: int | None = None, **kwargs):
+    def __init__(self, *args, codec: quant.KVCodec = quant.INT8, residual: int | None = None,
+                 sink: int | None = None, **kwargs):
         self.codec = codec
         self.name = f"paged-{codec.name}"
         super().__init__(*args, **kwargs)
         self.bytes_per_element = codec.bits / 8
         self.quantization_group = self.block_size
         residual = RESIDUAL[codec.name] if residual is None else residual
-        self.state = QuantState(codec, self.block_size, residual, self.config, self.dtype, self.device)
+        sink = SINK[codec.name] if sink is None else sink
+        self.state = QuantState(codec, self.block_size, residual, sink, self.config, self.dtype, self.device)
+        self.sink_rows: OrderedDict[int, torch.Tensor] = OrderedDict()  # block hash -> its sink rows
 
     def _chunk_tensors(self, num_blocks: int, device) -> list[torch.Tensor]:
         """Key and value codes [L, Hkv, slots, W]; key scales [L, Hkv, blocks, (2,) D]; value scales
@@ -69,7 +77,23 @@ class PagedQuantCache(PagedCache):
         held = super().prepare(seq_id, token_ids)
         if fresh:
             self.state.start(seq_id, upto=held)  # blocks shared from the prefix cache hold their codes
+            self._restore_sink(seq_id, self.seqs[seq_id])
         return held
+
+    def _restore_sink(self, seq_id: int, seq: Sequence) -> None:
+        """The sink rows of the blocks a new sequence shares: as their first holder kept them, else decoded."""
+        bs, window = self.block_size, self.state.seqs[seq_id].window  # [2, L, Hkv, rows, D]
+        for i, h in enumerate(seq.hashes):
+            end = min((i + 1) * bs, self.state.sink)
+            if i * bs >= end:
+                break
+            rows = self.sink_rows.get(h)
+            if rows is None:
+                rows = torch.stack([torch.stack(self._block_codes(layer, seq.blocks[i]))
+                                    for layer in range(self.config.num_layers)], dim=1)[:, :, :, : end - i * bs]
+            else:
+                self.sink_rows.move_to_end(h)
+            window[:, :, :, i * bs:end] = rows.to(window.dtype)
 
     def commit_step(self, view):
         for seq_id, end in zip(view.seq_ids, view.kv_len):
@@ -79,7 +103,16 @@ class PagedQuantCache(PagedCache):
     def _register_full_blocks(self, seq: Sequence, accepted: int) -> None:
         """Only blocks that hold their codes are shared: one still in the window has none yet."""
         state = self.state.seqs.get(self._seq_id(seq))
+        before = len(seq.hashes)
         super()._register_full_blocks(seq, min(accepted, state.upto if state else 0))
+        bs = self.block_size
+        for i in range(before, len(seq.hashes)):  # newly shareable blocks below the sink: keep their rows
+            end = min((i + 1) * bs, self.state.sink)
+            if i * bs < end:
+                self.sink_rows[seq.hashes[i]] = state.window[:, :, :, i * bs:end].clone()
+                self.sink_rows.move_to_end(seq.hashes[i])
+        while len(self.sink_rows) > SINK_CACHE_BLOCKS:
+            self.sink_rows.popitem(last=False)
 
     def _keep_tokens(self, seq: Sequence, keep: int) -> None:
         seq_id = self._seq_id(seq)
