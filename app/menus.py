@@ -182,6 +182,7 @@ class Menus:
 
     def check(self, strategy: str, block_size: int) -> None:
         self._block_size_now = block_size  # may be one the menu does not offer (--block-size 1)
+        strategy = strategy if strategy in self.strategies else strategy.split("-")[0]  # paged-int4: paged + int4
         if strategy in self.strategies:
             self.strategies[strategy].setChecked(True)
         if block_size in self.block_sizes:

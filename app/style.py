@@ -26,7 +26,8 @@ ERROR_COLOR = "#e06c75"
 
 
 def strategy_color(strategy: str) -> str:
-    return STRATEGY_COLORS.get(strategy, FALLBACK_COLOR)
+    """A quantized cache ('paged-int4', 'contiguous-int8') takes its layout's colour unless it has its own."""
+    return STRATEGY_COLORS.get(strategy) or STRATEGY_COLORS.get(strategy.split("-")[0], FALLBACK_COLOR)
 
 
 def human_bytes(n: float) -> str:
