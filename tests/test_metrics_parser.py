@@ -198,11 +198,10 @@ def test_context_and_token_figures_a_server_does_not_publish_read_unavailable_ne
                                      "does not publish it")
     assert new["Server tokens"] == ("23,210 generated", "96,641 prompt tokens processed")
     assert rows(LLAMA_CPP)["Server context"][0] == "1,024 tokens held"
-    vllm = rows(VLLM)
-    assert vllm["Server context"] == ("unavailable", "vLLM does not publish it")
+    assert rows(LLAMA_CPP)["Server context"][1] == "longest sequence: unavailable"
+    assert "Server context" not in rows(VLLM) and "Server context" not in rows(KVSCOPE)  # no such figures at all
     gauges_only = rows("llamacpp:requests_processing 1\nllamacpp:requests_deferred 0\n")
     assert gauges_only["Server tokens"] == ("unavailable", "llama.cpp does not publish it")
-    assert gauges_only["Server context"] == ("unavailable", "llama.cpp does not publish it")
     generated_only = rows("llamacpp:tokens_predicted_total 5\n")
     assert generated_only["Server tokens"] == ("5 generated", "prompt tokens: unavailable (llama.cpp does not "
                                                                "publish it)")
@@ -276,3 +275,15 @@ def test_a_real_llama_server_exposition_reads_its_figures_and_leaves_the_rest_un
     assert rows["Server tokens"] == ("36 generated", "87 prompt tokens processed")
     assert rows["Server prefix cache"][0] == "21.6% of prompt tokens hit"
     assert status_text(kv) == "server KV unavailable"
+
+
+def test_a_prefix_cache_that_has_seen_no_prompt_yet_says_so_rather_than_unavailable():
+    from app.backends.server_view import server_rows
+
+    idle = KVSCOPE.replace("prefix_cache_queries_total{model_name=\"SmolLM2\"} 100.0",
+                           "prefix_cache_queries_total{model_name=\"SmolLM2\"} 0.0")
+    idle = idle.replace("prefix_cache_hits_total{model_name=\"SmolLM2\"} 64.0",
+                        "prefix_cache_hits_total{model_name=\"SmolLM2\"} 0.0")
+    rows = {title: (value, detail) for title, value, detail in server_rows(server_kv(idle))}
+    assert rows["Server prefix cache"] == ("no prompt tokens yet", "0 of 0 tokens looked up")
+    assert not any("unavailable" in value for value, _ in rows.values())  # kvscope publishes every figure shown

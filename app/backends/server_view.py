@@ -31,9 +31,7 @@ def server_rows(kv: ServerKV | None, model: str = "", url: str = "") -> list[tup
     requests = (f"{kv.running:,.0f} running · {kv.waiting:,.0f} waiting" if _known(kv.running, kv.waiting)
                 else UNAVAILABLE)
     rows.append(("Server requests", requests, "in the batch, and queued" if requests != UNAVAILABLE else not_published))
-    rate = kv.prefix_hit_rate
-    rows.append(("Server prefix cache", f"{rate:.1%} of prompt tokens hit" if rate is not None else UNAVAILABLE,
-                 f"{kv.prefix_hits:,.0f} of {kv.prefix_queries:,.0f} tokens" if rate is not None else not_published))
+    rows.append(_prefix_row(kv, not_published))
     blocks = _known(kv.blocks_total, kv.blocks_used, kv.blocks_free, kv.blocks_cached)
     rows.append(("Server block pool", f"{kv.blocks_used:,.0f} of {kv.blocks_total:,.0f} blocks used" if blocks
                  else UNAVAILABLE, f"{kv.blocks_cached:,.0f} cached, {kv.blocks_free:,.0f} free" if blocks
@@ -42,20 +40,30 @@ def server_rows(kv: ServerKV | None, model: str = "", url: str = "") -> list[tup
     theoretical = f", theoretical {human_bytes(kv.bytes_theoretical)}" if kv.bytes_theoretical is not None else ""
     rows.append(("Server KV memory", human_bytes(kv.bytes_allocated) if memory else UNAVAILABLE,
                  f"used {human_bytes(kv.bytes_used)}{theoretical}" if memory else not_published))
-    rows.append(_context_row(kv, not_published))
+    if kv.kv_tokens is not None or kv.longest_sequence is not None:  # llama.cpp's figures; others have none
+        rows.append(_context_row(kv, not_published))
     rows.append(_tokens_row(kv, not_published))
     return rows
 
 
+def _prefix_row(kv: ServerKV, not_published: str) -> tuple[str, str, str]:
+    """The prefix cache's hit rate; published counters with no prompt yet say so (a rate of nothing is not 0%)."""
+    rate = kv.prefix_hit_rate
+    if rate is not None:
+        return ("Server prefix cache", f"{rate:.1%} of prompt tokens hit",
+                f"{kv.prefix_hits:,.0f} of {kv.prefix_queries:,.0f} tokens")
+    if kv.prefix_hits is not None and kv.prefix_queries == 0:
+        return ("Server prefix cache", "no prompt tokens yet", "0 of 0 tokens looked up")
+    return ("Server prefix cache", UNAVAILABLE, not_published)
+
+
 def _context_row(kv: ServerKV, not_published: str) -> tuple[str, str, str]:
-    """The tokens the server's KV cache holds, and the longest sequence it has held: each unavailable unless
-    published (llama.cpp's recent builds publish only the longest)."""
+    """The tokens the server's KV cache holds, and the longest sequence it has held, for a server that publishes
+    at least one of them: the other reads unavailable (llama.cpp's recent builds publish only the longest)."""
     held = f"{kv.kv_tokens:,.0f} tokens held" if kv.kv_tokens is not None else UNAVAILABLE
     longest = (f"longest sequence so far {kv.longest_sequence:,.0f} tokens" if kv.longest_sequence is not None
                else f"longest sequence: {UNAVAILABLE}")
-    if kv.kv_tokens is None and kv.longest_sequence is None:
-        longest = not_published
-    elif kv.kv_tokens is None:
+    if kv.kv_tokens is None:
         longest += f"; tokens held: {not_published}"
     return ("Server context", held, longest)
 
