@@ -713,6 +713,18 @@ inline __m256 codes8(const uint8_t* row, int64_t j, int64_t half) {
 inline __m256 halves8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 #endif
 
+// n rows of codes as floats (the codes' values, no scale) into out [n, D]: converted once, read by every query
+template <int BITS>
+inline void codes_to_floats(const uint8_t* const* rows, int64_t n, int64_t d, float* out) {
+  for (int64_t p = 0; p < n; ++p) {
+#ifdef KVSCOPE_AVX2
+    for (int64_t j = 0; j < d; j += 8) _mm256_storeu_ps(out + p * d + j, codes8<BITS>(rows[p], j, d / 2));
+#else
+    for (int64_t j = 0; j < d; ++j) out[p * d + j] = code_at<BITS>(rows[p], j, d);
+#endif
+  }
+}
+
 // a query against one block's keys: qs = q * scale per channel; bias = q . min (int4; 0 for int8)
 template <int BITS>
 inline float scale_query(const float* q, const uint16_t* param, int64_t d, float* qs) {
@@ -818,15 +830,23 @@ void attend_tile(const float* q, float* part, const QuantRows<BITS>& keys, const
   qs.resize(d);
   std::vector<int64_t> last(nq);  // each vector's last key in this tile, from k0
   for (int64_t i = 0; i < nq; ++i) last[i] = std::min<int64_t>(pos[i / group], k1 - 1) - k0;
+  thread_local std::vector<float> raw;  // a block's codes as floats, shared by the tile's query vectors
+  thread_local std::vector<const float*> raw_rows;
   for (int64_t s = qstart; s < qend;) {  // one block of keys (one set of scales) at a time
     const uint16_t* prm = keys.param[s - keys.first];
     int64_t e = s + 1;
     while (e < qend && keys.param[e - keys.first] == prm) ++e;
-    const uint8_t* const* codes = keys.code.data() + (s - keys.first);
+    raw.resize((e - s) * d);
+    raw_rows.resize(e - s);
+    codes_to_floats<BITS>(keys.code.data() + (s - keys.first), e - s, d, raw.data());
+    for (int64_t p = 0; p < e - s; ++p) raw_rows[p] = raw.data() + p * d;
     for (int64_t i = 0; i < nq; ++i) {
       if (s - k0 > last[i]) continue;
       float bias = scale_query<BITS>(q + i * d, prm, d, qs.data());
-      score_codes<BITS>(qs.data(), bias, codes, std::min(e, k0 + last[i] + 1) - s, d, scores.data() + i * padded + s - k0);
+      int64_t m = std::min(e, k0 + last[i] + 1) - s;
+      float* out = scores.data() + i * padded + s - k0;
+      score_keys(qs.data(), raw_rows.data(), m, d, out);
+      for (int64_t p = 0; p < m; ++p) out[p] += bias;
     }
     s = e;
   }
@@ -860,12 +880,30 @@ void attend_tile(const float* q, float* part, const QuantRows<BITS>& keys, const
     if (qstart > k0 && 0 <= last[i])
       weigh_values(scores.data() + i * padded, window_v.data(), std::min(qstart, k0 + last[i] + 1) - k0,
                    part + i * stride + 2, d);
-  for (int64_t p = qstart; p < qend; p += VALUES_AT_ONCE)
-    for (int64_t i = 0; i < nq; ++i)
-      if (p - k0 <= last[i])
-        weigh_codes<BITS>(scores.data() + i * padded + p - k0, values.code.data() + (p - values.first),
-                          values.param.data() + (p - values.first),
-                          std::min({VALUES_AT_ONCE, qend - p, k0 + last[i] + 1 - p}), part + i * stride + 2, d);
+  thread_local std::vector<float> weights;
+  for (int64_t p = qstart; p < qend; p += VALUES_AT_ONCE) {  // values: a token's scale folds into its weight
+    int64_t chunk = std::min(VALUES_AT_ONCE, qend - p);
+    raw.resize(chunk * d);
+    raw_rows.resize(chunk);
+    weights.resize(chunk);
+    codes_to_floats<BITS>(values.code.data() + (p - values.first), chunk, d, raw.data());
+    for (int64_t r = 0; r < chunk; ++r) raw_rows[r] = raw.data() + r * d;
+    const uint16_t* const* prm = values.param.data() + (p - values.first);
+    for (int64_t i = 0; i < nq; ++i) {
+      if (p - k0 > last[i]) continue;
+      int64_t m = std::min(chunk, k0 + last[i] + 1 - p);
+      const float* e = scores.data() + i * padded + p - k0;
+      float bias = 0.f;
+      for (int64_t r = 0; r < m; ++r) {
+        weights[r] = e[r] * half_to_float(prm[r][0]);
+        if constexpr (BITS == 4) bias += e[r] * half_to_float(prm[r][1]);
+      }
+      float* out = part + i * stride + 2;
+      weigh_values(weights.data(), raw_rows.data(), m, out, d);
+      if constexpr (BITS == 4)
+        for (int64_t j = 0; j < d; ++j) out[j] += bias;
+    }
+  }
   for (int64_t i = 0; i < nq; ++i)
     if (qend < k1 && qend - k0 <= last[i])
       weigh_values(scores.data() + i * padded + qend - k0, window_v.data() + (qend - k0), k0 + last[i] + 1 - qend,
