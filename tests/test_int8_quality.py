@@ -163,24 +163,49 @@ def teacher_forced_log_probs(engine, ids: list[int], seq_id: int):
         engine.cache.release(seq_id)
 
 
+BOUNDS = {"int8": (MAX_MEAN_KL, MIN_TOP1), "int4": (0.0047, 0.97)}  # the KV precision issue's targets
+
+
 @pytest.fixture(scope="module")
-def int8_vs_float(default_engine, tokenizer):
-    """(KL(float || int8) per position, top-1 agreement per position) over NUM_POSITIONS of English."""
+def float_reference(default_engine, tokenizer):
+    """The English ids and a float32 paged cache's log-probabilities of each next token, chunk by chunk."""
     ids = english_ids(tokenizer, NUM_POSITIONS)
     try:
         default_engine.set_cache("paged", 16)
-        reference = list(teacher_forced_log_probs(default_engine, ids, seq_id=9001))
-        default_engine.set_cache("paged-int8", 16)
+        return ids, list(teacher_forced_log_probs(default_engine, ids, seq_id=9001))
+    finally:
+        default_engine.set_cache("paged", 16)
+
+
+def quantized_vs_float(default_engine, float_reference, kv: str):
+    """(KL(float || kv) per position, top-1 agreement per position) over NUM_POSITIONS of English."""
+    ids, reference = float_reference
+    try:
+        default_engine.set_kv_dtype(kv)
         kl, agree = [], []
         for p_log, q_log in zip(reference, teacher_forced_log_probs(default_engine, ids, seq_id=9002)):
             kl.append((p_log.exp() * (p_log - q_log)).sum(-1))
             agree.append(p_log.argmax(-1) == q_log.argmax(-1))
     finally:
+        default_engine.set_kv_dtype(None)
         default_engine.set_cache("paged", 16)
     kl, agree = torch.cat(kl), torch.cat(agree)
-    print(f"\nint8 vs float over {kl.numel()} positions: mean KL {kl.mean():.6f} nats, max {kl.max():.4f}, "
+    print(f"\n{kv} vs float over {kl.numel()} positions: mean KL {kl.mean():.6f} nats, max {kl.max():.4f}, "
           f"top-1 agreement {agree.float().mean():.4f}")
     return kl, agree
+
+
+@pytest.fixture(scope="module")
+def int8_vs_float(default_engine, float_reference):
+    return quantized_vs_float(default_engine, float_reference, "int8")
+
+
+@pytest.mark.default_model
+def test_int4_keys_per_channel_with_a_residual_and_a_sink_stay_within_their_bound(default_engine, float_reference):
+    kl, agree = quantized_vs_float(default_engine, float_reference, "int4")
+    max_kl, min_top1 = BOUNDS["int4"]
+    assert kl.mean() > 0 and kl.mean() <= max_kl, f"mean KL {kl.mean():.5f} nats"
+    assert agree.float().mean() >= min_top1, f"top-1 agreement {agree.float().mean():.4f}"
 
 
 @pytest.mark.default_model

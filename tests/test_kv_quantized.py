@@ -15,6 +15,7 @@ from engine.kv import quant
 from engine.kv.precision import CONTIGUOUS_GROUP
 from tests.engine_helpers import one_torch_thread
 from tests.test_batch_invariance import PROMPT, decode, same_bits
+from tests.test_int8_quality import english_ids
 
 QUANTIZED = ("int8", "int4")
 SMALL = {"kv_residual": 32, "kv_sink": 8}  # the tiny model's short prompts: a residual and a sink that they pass
@@ -80,3 +81,25 @@ def test_the_kernels_and_the_pure_pytorch_path_agree(tiny_engine_factory, layout
         pure = decode(tiny_engine_factory(layout, 16, kv_dtype=kv), 1, PROMPT, 16)
     for a, b in zip(compiled, pure):
         assert torch.allclose(a, b, atol=1e-3 * float(b.abs().max()))
+
+
+GREEDY_STEPS = 96
+AGREES_FOR = {"int8": 12, "int4": 12}  # measured 18 and 18 here (README); a floor that leaves other CPUs room
+
+
+@pytest.mark.default_model
+@pytest.mark.parametrize("kv", QUANTIZED)
+def test_greedy_decoding_agrees_with_a_float32_cache_as_long_as_measured(default_engine, tokenizer, kv):
+    prompt = english_ids(tokenizer, 320)  # longer than int4's residual: its middle is read from codes
+    try:
+        default_engine.set_cache("paged", 16)
+        reference = [int(x.argmax()) for x in decode(default_engine, 11, prompt, GREEDY_STEPS)]
+        default_engine.cache.release(11)
+        default_engine.set_kv_dtype(kv)
+        got = [int(x.argmax()) for x in decode(default_engine, 12, prompt, GREEDY_STEPS)]
+    finally:
+        default_engine.set_kv_dtype(None)
+        default_engine.set_cache("paged", 16)
+    same = next((i for i, (a, b) in enumerate(zip(reference, got)) if a != b), len(got))
+    print(f"\n{kv}: greedy tokens identical to float32 for {same} of {len(got)}")
+    assert same >= AGREES_FOR[kv]
