@@ -7,6 +7,8 @@ Conversations are saved under a temporary folder, never the user's."""
 
 from __future__ import annotations
 
+import faulthandler
+import signal
 import sys
 import tempfile
 import time
@@ -26,7 +28,7 @@ QUESTIONS = ("What is a KV cache, in two sentences?", "How does a paged KV cache
              "Which one should a chat app use?")
 
 
-def wait(condition, seconds: float = 900) -> None:
+def wait(condition, seconds: float = 2400) -> None:
     deadline = time.monotonic() + seconds
     while not condition():
         if time.monotonic() > deadline:
@@ -35,13 +37,14 @@ def wait(condition, seconds: float = 900) -> None:
 
 
 def main(path: str) -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: where every thread is
     app = QApplication([])
     apply_theme(app)
     folder = tempfile.mkdtemp(prefix="kvscope-shot-")
     settings = AppSettings(QSettings(f"{folder}/kvscope.ini", QSettings.Format.IniFormat))
     engine = Engine.load(None, EngineConfig(cache="paged", kv_dtype="float32"))
     window = MainWindow(settings=settings, engine=engine)
-    window.sampling_override = SamplingParams(temperature=0, max_new_tokens=60)
+    window.sampling_override = SamplingParams(temperature=0, max_new_tokens=32)
     window.show()
     wait(lambda: window.info is not None and bool(window.snapshot))
     for question in QUESTIONS:
