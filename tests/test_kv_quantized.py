@@ -84,11 +84,11 @@ def test_the_kernels_and_the_pure_pytorch_path_agree(tiny_engine_factory, layout
 
 
 GREEDY_STEPS = 96
-AGREES_FOR = {"int8": 12, "int4": 12}  # measured 18 and 18 here (README); a floor that leaves other CPUs room
+AGREES_FOR = {"int8": 12, "int4": 12, "bfloat16": 3}  # measured 18, 18 and 4 here (README): floors
 
 
 @pytest.mark.default_model
-@pytest.mark.parametrize("kv", QUANTIZED)
+@pytest.mark.parametrize("kv", [*QUANTIZED, "bfloat16"])
 def test_greedy_decoding_agrees_with_a_float32_cache_as_long_as_measured(default_engine, tokenizer, kv):
     prompt = english_ids(tokenizer, 320)  # longer than int4's residual: its middle is read from codes
     try:
