@@ -60,9 +60,9 @@ def agreement_text(summary: Summary, index: int) -> str:
 
 def summary_cells(summary: Summary, index: int) -> list[str]:
     """The table's row for one configuration, as text."""
-    ms = (lambda v: "—" if v is None else f"{v:,.2f}")  # noqa: E731
+    ms = (lambda v: "—" if v is None else f"{v:,.1f}")  # noqa: E731
     label = summary.label + ("" if summary.complete else " (incomplete)")
-    by_context = "\n".join(f"{first}–{last}: {median:,.2f}" for first, last, median in summary.by_context) or "—"
+    by_context = " · ".join(f"{first}–{last}: {median:,.1f}" for first, last, median in summary.by_context) or "—"
     return [label, ms(summary.decode_median_ms), ms(summary.decode_p90_ms), by_context,
             ", ".join(f"{t:,.0f}" for t in summary.ttft_ms) or "—",
             f"{human_bytes(summary.peak_allocated)} / {human_bytes(summary.peak_used)}",
