@@ -70,7 +70,37 @@ def run(ctx: BenchContext, quick: bool) -> dict:
             out[f"transformers {backend} cache vs dynamic"] = compare(ids, windows, hf_runner(ctx, backend),
                                                                       f"transformers {backend}")
     out["notes"] = [f"transformers QuantizedCache backend {b}: {s}" for b, s in backends.items()]
+    llama = peers.llama_cpp_status(ctx.gguf_path)
+    if llama == "available":
+        for kv in LLAMA_KV_TYPES:
+            out[f"llama.cpp {kv} cache vs f16"] = compare(ids, windows, llama_runner(ctx, kv), f"llama.cpp {kv}")
+    out["notes"].append(f"llama.cpp (llama-cpp-python) quantized caches: {llama}; each against its own f16 cache, "
+                        "on the same GGUF (its own weights), flash attention on (llama.cpp needs it to quantize V)")
     return out
+
+
+LLAMA_KV_TYPES = {"q8_0": 8, "q4_0": 2}  # ggml type ids (ggml.h), as llama.cpp's -ctk / -ctv take them
+GGML_F16 = 1
+
+
+def llama_runner(ctx: BenchContext, kv: str) -> Runner:
+    """llama.cpp with an f16 cache, then with `kv` for keys and values: every position's logits per chunk."""
+    import numpy as np
+    from llama_cpp import Llama
+
+    def one(cache_type: int):
+        llm = Llama(model_path=str(ctx.gguf_path), n_ctx=WINDOW + CHUNK, n_batch=CHUNK, n_ubatch=CHUNK,
+                    n_threads=torch.get_num_threads(), logits_all=True, type_k=cache_type, type_v=cache_type,
+                    flash_attn=True, verbose=False)
+
+        def step(chunk: list[int]) -> torch.Tensor:
+            start = llm.n_tokens
+            llm.eval(chunk)
+            return torch.from_numpy(np.array(llm.scores[start:start + len(chunk)], dtype=np.float32))  # [T, V]
+
+        return step
+
+    return lambda: (one(GGML_F16), one(LLAMA_KV_TYPES[kv]))
 
 
 Runner = Callable[[], tuple[Callable[[list[int]], torch.Tensor], Callable[[list[int]], torch.Tensor]]]
