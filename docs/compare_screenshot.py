@@ -1,68 +1,55 @@
-"""Make docs/compare.png: three greedy turns on the default model, then Compare → Replay under contiguous, paged
-and paged with a bfloat16 KV cache; the Compare window is saved as a PNG (and its table printed).
+"""Make docs/compare.png: three greedy turns on the default model, replayed under contiguous, paged and paged
+with a bfloat16 KV cache (engine.replay, the Compare job's own code), drawn by the Compare window (app.compare_view)
+and saved as a PNG; the table is printed too.
 
     QT_QPA_PLATFORM=offscreen .venv/bin/python docs/compare_screenshot.py docs/compare.png
 
-Conversations are saved under a temporary folder, never the user's."""
+The engine runs on this script's thread (not the window's worker), so nothing is saved under the user's data."""
 
 from __future__ import annotations
 
-import faulthandler
-import signal
 import sys
-import tempfile
-import time
 
-from PySide6.QtCore import QSettings
 from PySide6.QtTest import QTest
 from PySide6.QtWidgets import QApplication
 
-from app.main_window import MainWindow
-from app.settings import AppSettings
+from app.compare_view import CompareView
 from app.style import apply_theme
+from engine.chat import Conversation
 from engine.config import EngineConfig, SamplingParams
 from engine.engine import Engine
-from engine.replay import ReplayConfig
+from engine.replay import ReplayConfig, conversation_turns, replay, with_engine_weights
+from engine.replay_result import CompareResult, ConfigRun, StepRow
 
 QUESTIONS = ("What is a KV cache, in two sentences?", "How does a paged KV cache differ from a contiguous one?",
              "Which one should a chat app use?")
 
 
-def wait(condition, seconds: float = 2400) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            raise SystemExit("timed out")
-        QTest.qWait(50)
-
-
 def main(path: str) -> None:
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: where every thread is
     app = QApplication([])
     apply_theme(app)
-    folder = tempfile.mkdtemp(prefix="kvscope-shot-")
-    settings = AppSettings(QSettings(f"{folder}/kvscope.ini", QSettings.Format.IniFormat))
     engine = Engine.load(None, EngineConfig(cache="paged", kv_dtype="float32"))
-    window = MainWindow(settings=settings, engine=engine)
-    window.sampling_override = SamplingParams(temperature=0, max_new_tokens=32)
-    window.show()
-    wait(lambda: window.info is not None and bool(window.snapshot))
+    conv = Conversation()
     for question in QUESTIONS:
-        before = len(window.snapshot["messages"])
-        window.send(question)
-        wait(lambda n=before + 2: not window.generating and len(window.snapshot["messages"]) == n)
-    kv = window.info.kv_dtype or "float32"
-    window.compare.run([ReplayConfig("contiguous", kv, window.info.weight_format),
-                        ReplayConfig("paged", kv, window.info.weight_format),
-                        ReplayConfig("paged", "bfloat16", window.info.weight_format)])
-    wait(lambda: not window.compare.running)
-    view = window.compare.view
-    view.resize(1200, 900)
+        for _ in engine.generate(conv, question, SamplingParams(temperature=0, max_new_tokens=48)):
+            pass
+    turns = conversation_turns(engine.tokenizer, conv)
+    result = CompareResult([], len(turns))
+    for config in (ReplayConfig("contiguous", "float32"), ReplayConfig("paged", "float32"),
+                   ReplayConfig("paged", "bfloat16")):
+        run = ConfigRun(with_engine_weights(config, engine))
+        run.rows = [StepRow.from_step(step) for step in replay(engine, turns, config)]
+        run.complete = True
+        result.runs.append(run)
+    view = CompareView()
+    view.resize(1560, 960)
+    view.show()
+    view.finish(result)
     QTest.qWait(500)
     view.export_png_to(path)
+    print(f"{engine.model_name}: {engine.weight_format} weights, {sum(len(t.reply) for t in turns)} reply tokens")
     for row in view.table_text():
         print(" | ".join(cell.replace("\n", " ") for cell in row))
-    window.close()
 
 
 if __name__ == "__main__":
