@@ -188,7 +188,7 @@ def test_a_decode_step_runs_few_ops_per_layer(tiny_config, tokenizer, cache):
     layer_ops = collections.Counter(four) - collections.Counter(two)
     print(f"\n{cache}: {per_layer} ops per layer {dict(sorted(layer_ops.items()))}, "
           f"{len(two) - 2 * per_layer} outside the layers")
-    attention = "kvscope.attention_int8" if cache == "paged-int8" else "kvscope.attention"
+    attention = "kvscope.attention_quant" if cache == "paged-int8" else "kvscope.attention"
     assert {attention: 1, "kvscope.int4_linear": 4, "kvscope.rope_qkv": 1, "kvscope.silu_mul": 1,
             "kvscope.add_rms_norm": 2}.items() <= {k: v // 2 for k, v in layer_ops.items()}.items()
     assert per_layer <= 16
