@@ -9,7 +9,6 @@ import pytest
 from engine.chat import Message, PromptTooLong, prompt_ids
 from engine.config import SamplingParams
 from engine.events import DoneEvent, StepEvent
-from engine.kv.base import KVCacheFull
 from tests.engine_helpers import Turn, greedy, one_torch_thread, run_turn
 
 STRATEGIES = ["none", "contiguous", "paged", "paged-int8"]
