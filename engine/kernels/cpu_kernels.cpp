@@ -625,6 +625,21 @@ inline void weigh_values(const float* e, const float* const* v, int64_t n, float
   for (int64_t p = 0; p < n; ++p) axpy<float>(e[p], v[p], out, d);
 }
 
+// each vector's partial: its maximum score, the softmax weights in place of its scores (and their sum), and
+// zeroed values to accumulate into; a vector with no key in the tile (last < 0) keeps -inf and 0
+inline void start_partials(float* part, float* scores, const int64_t* last, int64_t nq, int64_t padded, int64_t d) {
+  for (int64_t i = 0; i < nq; ++i) {
+    float* pi = part + i * (d + 2);
+    pi[0] = -std::numeric_limits<float>::infinity();
+    pi[1] = 0.f;
+    std::fill_n(pi + 2, d, 0.f);
+    if (last[i] < 0) continue;
+    float* si = scores + i * padded;
+    pi[0] = *std::max_element(si, si + last[i] + 1);
+    pi[1] = softmax_row(si, last[i], padded, pi[0]);
+  }
+}
+
 template <typename K, typename V>
 void attend_tile(const float* q, float* part, const K& keys, const V& values, const int32_t* pos, int64_t rows,
                  int64_t group, int64_t d, int64_t k0, int64_t k1) {
@@ -646,16 +661,7 @@ void attend_tile(const float* q, float* part, const K& keys, const V& values, co
         score_keys(q + i * d, rows_k.data() + p, std::min(KEYS_AT_ONCE, last[i] + 1 - p), d,
                    scores.data() + i * padded + p);
   }
-  for (int64_t i = 0; i < nq; ++i) {
-    float* pi = part + i * stride;
-    pi[0] = -std::numeric_limits<float>::infinity();
-    pi[1] = 0.f;
-    std::fill_n(pi + 2, d, 0.f);
-    if (last[i] < 0) continue;
-    float* si = scores.data() + i * padded;
-    pi[0] = *std::max_element(si, si + last[i] + 1);
-    pi[1] = softmax_row(si, last[i], padded, pi[0]);
-  }
+  start_partials(part, scores.data(), last.data(), nq, padded, d);
   for (int64_t p = 0; p < n; p += VALUES_AT_ONCE)
     for (int64_t i = 0; i < nq; ++i)
       if (p <= last[i])
@@ -866,16 +872,7 @@ void attend_tile(const float* q, float* part, const QuantRows<BITS>& keys, const
       if (a < b && a - k0 <= last[i])
         score_keys(q + i * d, window_k.data() + (a - k0), std::min(b, k0 + last[i] + 1) - a, d,
                    scores.data() + i * padded + a - k0);
-  for (int64_t i = 0; i < nq; ++i) {
-    float* pi = part + i * stride;
-    pi[0] = -std::numeric_limits<float>::infinity();
-    pi[1] = 0.f;
-    std::fill_n(pi + 2, d, 0.f);
-    if (last[i] < 0) continue;
-    float* si = scores.data() + i * padded;
-    pi[0] = *std::max_element(si, si + last[i] + 1);
-    pi[1] = softmax_row(si, last[i], padded, pi[0]);
-  }
+  start_partials(part, scores.data(), last.data(), nq, padded, d);
   for (int64_t i = 0; i < nq; ++i)
     if (qstart > k0 && 0 <= last[i])
       weigh_values(scores.data() + i * padded, window_v.data(), std::min(qstart, k0 + last[i] + 1) - k0,

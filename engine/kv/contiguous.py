@@ -81,9 +81,12 @@ class ContiguousCache(KVCache):
         for s, p, n in zip(seq_ids, past, n_new):
             if p + n > self.reservations[s].capacity:
                 raise KVCacheFull(f"sequence {s} reserved {self.reservations[s].capacity} tokens, needs {p + n}")
-        view = ContiguousView(self, seq_ids, past, n_new)
+        view = self._make_view(seq_ids, past, n_new)
         view.new_tokens = new_tokens
         return view
+
+    def _make_view(self, seq_ids, past, n_new) -> StepView:
+        return ContiguousView(self, seq_ids, past, n_new)
 
     def commit_step(self, view):
         for buf, end, tokens in zip(view.buffers, view.kv_len, view.new_tokens):

@@ -107,15 +107,8 @@ class ContiguousQuantCache(ContiguousCache):
         self.state.start(seq_id, upto=0)
         return 0
 
-    def begin_step(self, seq_ids, new_tokens):
-        past = [self.reservations[s].length for s in seq_ids]
-        n_new = [len(t) for t in new_tokens]
-        for s, p, n in zip(seq_ids, past, n_new):
-            if p + n > self.reservations[s].capacity:
-                raise KVCacheFull(f"sequence {s} reserved {self.reservations[s].capacity} tokens, needs {p + n}")
-        view = ContiguousQuantView(self, seq_ids, past, n_new)
-        view.new_tokens = new_tokens
-        return view
+    def _make_view(self, seq_ids, past, n_new):
+        return ContiguousQuantView(self, seq_ids, past, n_new)
 
     def commit_step(self, view):
         for seq_id, end in zip(view.seq_ids, view.kv_len):
