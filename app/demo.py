@@ -64,7 +64,7 @@ class DemoRunner(QObject):
 def run_demo(window, prompts: list[str], screenshot: str | None = None) -> int:
     """Drive a shown MainWindow through the prompts; returns the exit code (0 when every reply arrived)."""
     window.resize(*DEMO_SIZE)  # the same picture whatever size the window was saved at
-    window.splitter.setSizes([DEMO_SIZE[0] - 660, 660])
+    window.splitter.setSizes([210, DEMO_SIZE[0] - 660 - 210, 660])  # conversations, chat, side panel
     code = DemoRunner(window, prompts, screenshot).run()
     window.close()
     return code

@@ -87,6 +87,8 @@ class MainWindow(QMainWindow):
         self.conversation_list = ConversationList(self)
         self.splitter.insertWidget(0, self.conversation_list)
         self.splitter.setSizes([210, 680, 550])
+        for index, stretch in enumerate((0, 3, 2)):  # a wider window widens the chat and the plots, not the list
+            self.splitter.setStretchFactor(index, stretch)
         self.splitter.setChildrenCollapsible(False)
         self.setCentralWidget(self.splitter)
         self.setMinimumSize(*MIN_SIZE)
