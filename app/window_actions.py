@@ -31,7 +31,8 @@ class WindowActions:
             done = saved.done_event(i)
             if done is not None:
                 message.reply = saved.replies[i]
-                message.set_footer(w.reply_footer(done))
+                shown = saved.footers[i] if i < len(saved.footers) else ""
+                message.set_footer(shown or w.reply_footer(done))  # a file older than footers: rebuilt
         w.chat.clear_error()
         w.metrics.clear()  # the opened conversation's plots start empty, as a new chat's
         w.metrics.new_conversation()
@@ -45,8 +46,9 @@ class WindowActions:
         w = self.window
         n = len(w.snapshot.get("messages", []))  # a reply still streaming is not in the snapshot yet
         replies = [getattr(m, "reply", None) for m in w.chat.messages[:n]]
+        footers = [m.footer.text() for m in w.chat.messages[:n]]  # as shown: the weights and KV they ran with
         try:
-            storage.save_conversation(path, w.snapshot, replies)
+            storage.save_conversation(path, w.snapshot, replies, {"footers": footers})
         except storage.StorageError as e:
             self.window.chat.show_error(str(e))
             return False

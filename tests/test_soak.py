@@ -97,6 +97,10 @@ def run_cycles(qtbot, window) -> None:
         send(qtbot, window, "What is a KV cache?")
         window.new_chat()
         window.metrics.clear()  # the plots keep every chat's curves on purpose (~0.2 MB a chat) until cleared
+        conversations = window.conversations  # the sidebar keeps every chat on purpose: delete the one just left
+        for entry in conversations.store.entries():
+            if entry.id != conversations.current:
+                assert conversations.delete(entry.id)
         qtbot.waitUntil(lambda: not window.snapshot.get("messages"), timeout=HANG_GUARD_MS)
         return blocks(window.client.worker.engine)
 
