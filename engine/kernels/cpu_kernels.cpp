@@ -682,7 +682,8 @@ void attend_tile(const float* q, float* part, const K& keys, const V& values, co
 // The first `sink` positions are also kept in full precision, in the sequence's sink rows, and read from there
 // (the first tokens draw much of every query's attention: an attention sink, as StreamingLLM calls them).
 // Attention reads the codes in place: a block's key scales fold into the query (q * scale, plus q . min), a
-// token's value scale into its softmax weight, so no float copy of a key or value is ever made.
+// token's value scale into its softmax weight; a block's codes become floats once, in a small scratch that
+// every query vector of the tile reads, never a float copy of the cache.
 
 template <int BITS>
 struct QuantRows {
@@ -752,78 +753,7 @@ inline float scale_query(const float* q, const uint16_t* param, int64_t d, float
 #endif
 }
 
-// scores of a scaled query against n rows of codes, four at a time (a last group of fewer repeats its last row)
-template <int BITS>
-inline void score_codes(const float* qs, float bias, const uint8_t* const* k, int64_t n, int64_t d, float* out) {
-#ifdef KVSCOPE_AVX2
-  int64_t half = d / 2;
-  for (int64_t p = 0; p < n; p += 4) {
-    const uint8_t* r[4];
-    for (int64_t j = 0; j < 4; ++j) r[j] = k[std::min(p + j, n - 1)];
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t j = 0; j < d; j += 8) {
-      __m256 qj = _mm256_loadu_ps(qs + j);
-      a0 = _mm256_fmadd_ps(qj, codes8<BITS>(r[0], j, half), a0);
-      a1 = _mm256_fmadd_ps(qj, codes8<BITS>(r[1], j, half), a1);
-      a2 = _mm256_fmadd_ps(qj, codes8<BITS>(r[2], j, half), a2);
-      a3 = _mm256_fmadd_ps(qj, codes8<BITS>(r[3], j, half), a3);
-    }
-    alignas(16) float four[4];
-    _mm_store_ps(four, _mm_add_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(bias)));
-    for (int64_t j = 0; j < 4 && p + j < n; ++j) out[p + j] = four[j];
-  }
-#else
-  for (int64_t p = 0; p < n; ++p) {
-    float acc = 0.f;
-    for (int64_t j = 0; j < d; ++j) acc += qs[j] * code_at<BITS>(k[p], j, d);
-    out[p] = acc + bias;
-  }
-#endif
-}
-
-template <int BITS>
-inline void weigh_codes_any(const float* e, const uint8_t* const* v, const uint16_t* const* prm, int64_t n,
-                            float* out, int64_t d) {
-  float bias = 0.f;
-  for (int64_t p = 0; p < n; ++p) {
-    float w = e[p] * half_to_float(prm[p][0]);
-    for (int64_t j = 0; j < d; ++j) out[j] += w * code_at<BITS>(v[p], j, d);
-    if constexpr (BITS == 4) bias += e[p] * half_to_float(prm[p][1]);
-  }
-  if constexpr (BITS == 4)
-    for (int64_t j = 0; j < d; ++j) out[j] += bias;
-}
-
-// out[0..d) += sum over p < n of e[p] * (scale_p * code_p + min_p), in position order per lane
-template <int BITS, int D8>
-inline void weigh_codes_fixed(const float* e, const uint8_t* const* v, const uint16_t* const* prm, int64_t n,
-                              float* out) {
-#ifdef KVSCOPE_AVX2
-  constexpr int64_t d = D8 * 8, half = d / 2;
-  __m256 acc[D8];
-  for (int j = 0; j < D8; ++j) acc[j] = _mm256_loadu_ps(out + 8 * j);
-  float bias = 0.f;
-  for (int64_t p = 0; p < n; ++p) {
-    __m256 w = _mm256_set1_ps(e[p] * half_to_float(prm[p][0]));
-    for (int j = 0; j < D8; ++j) acc[j] = _mm256_fmadd_ps(w, codes8<BITS>(v[p], 8 * j, half), acc[j]);
-    if constexpr (BITS == 4) bias += e[p] * half_to_float(prm[p][1]);
-  }
-  __m256 b = _mm256_set1_ps(bias);
-  for (int j = 0; j < D8; ++j) _mm256_storeu_ps(out + 8 * j, BITS == 4 ? _mm256_add_ps(acc[j], b) : acc[j]);
-#else
-  weigh_codes_any<BITS>(e, v, prm, n, out, D8 * 8);
-#endif
-}
-
-template <int BITS>
-inline void weigh_codes(const float* e, const uint8_t* const* v, const uint16_t* const* prm, int64_t n, float* out,
-                        int64_t d) {
-  if (d == 64) return weigh_codes_fixed<BITS, 8>(e, v, prm, n, out);
-  if (d == 128) return weigh_codes_fixed<BITS, 16>(e, v, prm, n, out);
-  weigh_codes_any<BITS>(e, v, prm, n, out, d);
-}
-
-// as the float attend_tile: quantized positions [k0, min(k1, full)) block by block, then the window's positions
+// as the float attend_tile: the sink's rows, the codes of [sink, full) block by block, then the window's rows
 template <int BITS>
 void attend_tile(const float* q, float* part, const QuantRows<BITS>& keys, const QuantRows<BITS>& values,
                  const int32_t* pos, int64_t rows, int64_t group, int64_t d, int64_t k0, int64_t k1) {
