@@ -13,7 +13,7 @@ import torch
 from engine import kernels
 from engine.kv import quant
 from engine.kv.precision import CONTIGUOUS_GROUP
-from tests.engine_helpers import one_torch_thread
+from tests.engine_helpers import held_storage_bytes, one_torch_thread
 from tests.test_batch_invariance import PROMPT, decode, same_bits
 from tests.test_int8_quality import english_ids
 
@@ -70,6 +70,8 @@ def test_a_sequence_sharing_a_quantized_prefix_reads_the_sink_its_first_holder_k
     assert engine.cache.prepare(2, prompt) > 0  # the prefix cache serves the second sequence
     second = engine.step([2], [prompt[engine.cache.tokens_held(2):]])[0]
     assert torch.equal(second, first[0])
+    assert engine.cache.sink_rows  # kept for the prefix cache, and counted as the cache's memory
+    assert engine.cache.stats(1).bytes_allocated == held_storage_bytes(engine.cache)
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the compiled CPU kernels are not built here")

@@ -143,7 +143,9 @@ class PagedQuantCache(PagedCache):
         return int(bytes_per_token(self.config, self.codec.name, self.block_size) * tokens)
 
     def bytes_allocated(self) -> int:
-        return super().bytes_allocated() + self.state.window_bytes()
+        """The pool, the sequences' windows and the sink rows kept for the prefix cache."""
+        kept = sum(t.nbytes for t in self.sink_rows.values())
+        return super().bytes_allocated() + self.state.window_bytes() + kept
 
     def stats(self, seq_id=None):
         stats = super().stats(seq_id)
