@@ -5,6 +5,10 @@ pool grows: the blocks that exist are drawn, coloured by state, and the budget i
 cells they may grow into. The states are drawn as an 8-bit indexed image (one pixel per block) scaled up to
 square cells, so a pool of thousands of blocks costs one drawImage per paint; repaints are coalesced by Qt's
 update().
+
+After a conversation is opened (or another version of a message shown), the map shows the pool as it was saved at
+the end of its last turn (show_saved: an app.pool_snapshot.SavedPool), captioned as such, and ignores the live
+pool until the next turn runs (show_live).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from PySide6.QtWidgets import QGridLayout, QLabel, QStackedWidget, QVBoxLayout, 
 from app.style import BLOCK_COLORS, BLOCK_LABELS, PLOT_BACKGROUND, TEXT_MUTED
 
 PAD_INDEX = len(BLOCK_COLORS)  # colour of the cells past the last block
+SAVED_CAPTION = ("Saved state: the pool as it was at the end of this conversation's last turn. The live pool shows "
+                 "again when the next turn runs.")
 NO_BLOCKS_TEXT = {
     "none": "keeps no KV cache at all: every step recomputes the whole context.",
     "contiguous": "reserves one contiguous buffer per sequence, sized for the whole context.",
@@ -123,6 +129,10 @@ class BlockMap(QWidget):
         layout.addWidget(QLabel("Block pool", self, objectName="sectionTitle"))
         self.summary = QLabel("No model loaded yet.", self, objectName="muted", wordWrap=True)
         layout.addWidget(self.summary)
+        self.caption = QLabel(SAVED_CAPTION, self, objectName="savedCaption", wordWrap=True)
+        self.caption.hide()
+        layout.addWidget(self.caption)
+        self.saved = False  # showing a saved state (show_saved) until the next turn (show_live)
         self.stack = QStackedWidget(self)
         self.grid = BlockGrid(self.stack)
         self.message = QLabel("", self.stack, objectName="muted", wordWrap=True)
@@ -141,7 +151,21 @@ class BlockMap(QWidget):
         self.legend_title.setText(f"Each cell: one block of {name} keys and values" if name else "")
         self.legend_title.setVisible(bool(name))
 
+    def show_saved(self, pool) -> None:
+        """Draw a saved pool (a SavedPool) and keep it, captioned, until show_live."""
+        self.saved = False
+        self.set_stats(pool)
+        self.saved = True
+        self.caption.show()
+
+    def show_live(self) -> None:
+        """From now on, draw the live pool (the next set_stats)."""
+        self.saved = False
+        self.caption.hide()
+
     def set_stats(self, kv) -> None:
+        if self.saved:
+            return  # the saved state stays until the next turn runs
         budget = getattr(kv, "num_blocks_budget", 0)  # a growing pool: drawn even before its first block
         if not budget and (not kv.num_blocks or not kv.block_states):
             why = NO_BLOCKS_TEXT.get(kv.strategy, "does not use a block pool.")

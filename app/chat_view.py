@@ -90,10 +90,12 @@ class ChatView(QWidget):
     stop_requested = Signal()
     regenerate_requested = Signal()
     edit_requested = Signal(str, int)  # the new text, and the index of the user message edited
+    branch_requested = Signal(int, int)  # the index of an edited user message, and its version to show (from 0)
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
         self.messages: list[MessageWidget] = []
+        self.branch_positions: dict[int, tuple[int, int]] = {}  # message index -> (version shown, versions)
         self._generating = False
         self.count_tokens: Callable[[str], int] | None = None  # the model's count of a message (set on load)
         self.send_warning: Callable[[str, int], str] | None = None  # (text, tokens) -> a warning, or ""
@@ -108,6 +110,7 @@ class ChatView(QWidget):
         widget = MessageWidget(role, text, self._list)
         widget.regenerate_clicked.connect(self.regenerate_requested.emit)
         widget.edit_submitted.connect(lambda text, w=widget: self.edit_requested.emit(text, self.messages.index(w)))
+        widget.branch_stepped.connect(lambda step, w=widget: self._step_branch(self.messages.index(w), step))
         row = QWidget(self.column)  # a widget, not a bare layout: see remove_last
         layout = QHBoxLayout(row)
         layout.setContentsMargins(0, 0, 0, 0)
@@ -135,8 +138,23 @@ class ChatView(QWidget):
         self._refresh_actions()
 
     def clear(self) -> None:
-        while self.messages:
+        self.keep_first(0)
+
+    def keep_first(self, count: int) -> None:
+        """Remove the messages after the first `count`."""
+        while len(self.messages) > count:
             self.remove_last()
+
+    def set_branch_positions(self, positions: dict[int, tuple[int, int]]) -> None:
+        """The "‹ shown/count ›" switchers: on these messages (by index), and on no other."""
+        self.branch_positions = dict(positions)
+        for i, message in enumerate(self.messages):
+            message.set_branch(self.branch_positions.get(i))
+
+    def _step_branch(self, index: int, step: int) -> None:
+        shown, count = self.branch_positions.get(index, (1, 1))
+        if 1 <= shown + step <= count and not self._generating:
+            self.branch_requested.emit(index, shown + step - 1)
 
     def set_messages(self, messages: list[tuple[str, str]]) -> None:
         self.clear()
@@ -317,8 +335,9 @@ class ChatView(QWidget):
         idle = not self._generating
         for i, message in enumerate(self.messages):
             last = i == len(self.messages) - 1
-            message.set_actions(edit=idle and message.role == "user",  # any: the chat continues from it
+            message.set_actions(edit=idle and message.role == "user",  # any: a new version of it, the old one kept
                                 regenerate=idle and last and message.role == "assistant")
+            message.branch_box.setEnabled(idle)  # another version is shown between replies, not during one
 
     # --- following the latest message ---------------------------------------------------------------------------
     def _build_jump_button(self) -> None:

@@ -26,8 +26,8 @@ from PySide6.QtWidgets import (
 )
 
 from app import storage
+from app.branch_controller import add_records, turn_steps
 from app.conversation_store import ConversationStore, Entry, default_folder
-from app.step_log import StepLog
 
 MIN_WIDTH = 180  # narrower than this beside the other panes' minimums, the sidebar folds away
 OPEN_WIDTH = 210  # the sidebar's width when it opens again
@@ -216,14 +216,13 @@ class Conversations:
             return False
         if self.current is None:
             self.current = self.store.new_id()
-        n = len(data["messages"])
-        replies = [getattr(m, "reply", None) for m in w.chat.messages[:n]]
-        footers = [m.footer.text() if m.role == "assistant" else "" for m in w.chat.messages[:n]]
-        signature = (self.current, repr(data), repr(replies), self.title, len(w.metrics.log.rows), id(self.compare))
+        replies, extras = record_of(w, data)
+        signature = (self.current, repr(data), repr(replies), self.title, len(w.metrics.log.rows), id(self.compare),
+                     w.branching.revision, len(w.metrics.log.pools))
         if signature == self._saved:
             return True
         try:
-            self.store.save(self.current, data, replies, self.title or "", w.metrics.log.rows, self.compare, footers)
+            self.store.save(self.current, data, replies, self.title or "", compare=self.compare, **extras)
         except storage.StorageError as e:
             w.chat.show_error(f"The conversation could not be saved: {e}")
             return False
@@ -241,15 +240,16 @@ class Conversations:
             return False
         try:
             saved = self.store.open(conversation_id)
-            log = StepLog.from_rows(saved.steps)
-        except (storage.StorageError, ValueError) as e:
+        except storage.StorageError as e:
             w.chat.show_error(str(e))
             self.refresh()
             return False
-        self._show(saved, log)
+        show_saved(w, saved)
+        w.status.showMessage(f"Opened “{saved.title or 'conversation'}”", 4000)
         self.current, self.title, self.compare = conversation_id, saved.title or None, saved.compare
         self._saved = (conversation_id, repr(storage.conversation_dict(saved.conversation)), repr(saved.replies),
-                       self.title, len(w.metrics.log.rows), id(self.compare))
+                       self.title, len(w.metrics.log.rows), id(self.compare), w.branching.revision,
+                       len(w.metrics.log.pools))
         if hasattr(w, "compare"):
             w.compare.show_saved(saved.compare)
         self.refresh()
@@ -297,37 +297,37 @@ class Conversations:
     def refresh(self) -> None:
         self.widget.set_entries(self.store.entries(self.widget.search.text()), self.current)
 
-    # --- internals ------------------------------------------------------------------------------------------------
-    def _show(self, saved: storage.SavedChat, log: StepLog) -> None:
-        """The window shows the saved conversation: chat with footers, plots from its steps, its last figures."""
-        w = self.window
-        conv = saved.conversation
-        w.chat.set_messages([(m.role, m.content) for m in conv.messages])
-        last_done = None
-        for i, message in enumerate(w.chat.messages):
-            done = saved.done_event(i) if i < len(saved.replies) else None
-            if done is not None:
-                message.reply = saved.replies[i]
-                footer = saved.footers[i] if i < len(saved.footers) else ""
-                message.set_footer(footer or w.reply_footer(done))  # as shown: with its weights and precision
-                last_done = done
-        w.chat.clear_error()
-        w.metrics.clear()
-        w.metrics.new_conversation()
-        for row in log.rows:  # through the panel, so its curves, colours and legends are built as for live steps
-            w.metrics.log.set_configuration(row[-2], row[-1])
-            w.metrics.log.add(_saved_event(row))
-        if w.info is not None:
-            w.metrics.set_model_info(w.info)  # the live configuration keys the next steps again
-        if last_done is not None:
-            w.metrics.turn_finished(last_done)
-        w.metrics.refresh()
-        w.status.new_conversation()
-        w.client.open_conversation(conv)
-        w.status.showMessage(f"Opened “{saved.title or 'conversation'}”", 4000)
 
 
-def _saved_event(row):
-    from app.step_log import SavedStep
+def record_of(window, data: dict) -> tuple[list[dict | None], dict]:
+    """What is saved with the worker's conversation dict: each reply's figures, and the extras (footers as shown,
+    the step log with its turn starts and block-map states, the versions edits kept)."""
+    n = len(data["messages"])
+    messages = window.chat.messages[:n]
+    replies = [getattr(m, "reply", None) for m in messages]
+    footers = [m.footer.text() if m.role == "assistant" else "" for m in messages]
+    log = window.metrics.log
+    num_turns = sum(1 for m in data["messages"] if m.get("role") == "user")
+    return replies, {"footers": footers, "steps": log.rows, "turn_steps": turn_steps(window, num_turns),
+                     "pools": log.pools, "forks": window.branching.forks}
 
-    return SavedStep.from_row(row)
+
+def show_saved(window, saved: storage.SavedChat) -> None:
+    """The window shows a saved conversation: chat with footers, plots from its steps, its last figures, its block
+    map as saved, its versions; the worker gets the conversation (its next turn prefills the history)."""
+    w = window
+    conv = saved.conversation
+    w.chat.clear()
+    records = storage.with_replies(storage.conversation_dict(conv), saved.replies, saved.footers)["messages"]
+    last_done = add_records(w, records)
+    w.chat.clear_error()
+    w.metrics.clear()
+    w.metrics.new_conversation()
+    w.metrics.add_saved(saved.steps, saved.turn_steps, saved.pools)
+    if last_done is not None:
+        w.metrics.turn_finished(last_done)
+    w.branching.reset(saved.forks)
+    w.show_saved_pool(w.metrics.log.last_pool())
+    w.status.new_conversation()
+    w.snapshot = storage.conversation_dict(conv)  # what the worker holds from now on
+    w.client.open_conversation(conv)

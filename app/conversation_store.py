@@ -64,9 +64,10 @@ class ConversationStore:
         return self.folder / f"{conversation_id}{SUFFIX}"
 
     def save(self, conversation_id: str, data: dict, replies: list[dict | None], title: str | None = None,
-             steps: list[tuple] | None = None, compare: dict | None = None, footers: list[str] | None = None) -> None:
+             steps: list[tuple] | None = None, compare: dict | None = None, footers: list[str] | None = None,
+             **log) -> None:
         """Write the conversation's file (created on first save). title None: keep the saved one, else the
-        first user message's."""
+        first user message's. log: turn_steps, pools and forks (app.storage's version 4)."""
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -75,7 +76,7 @@ class ConversationStore:
             title = self._saved_title(conversation_id) or title_from(data.get("messages", []))
         storage.save_conversation(self.path(conversation_id), data, replies,
                                   {"title": title, "steps": [list(row) for row in steps or []], "compare": compare,
-                                   "footers": footers})
+                                   "footers": footers, **log})
 
     def open(self, conversation_id: str) -> storage.SavedChat:
         return storage.open_chat(self.path(conversation_id))
@@ -91,7 +92,8 @@ class ConversationStore:
         data = storage.conversation_dict(saved.conversation)
         storage.save_conversation(self.path(conversation_id), data, saved.replies,
                                   {"title": title, "steps": [list(r) for r in saved.steps], "compare": saved.compare,
-                                   "footers": saved.footers})
+                                   "footers": saved.footers, "turn_steps": saved.turn_steps, "pools": saved.pools,
+                                   "forks": saved.forks})
 
     def delete(self, conversation_id: str) -> None:
         try:

@@ -22,6 +22,7 @@ from PySide6.QtWidgets import QApplication, QMainWindow, QMessageBox, QSplitter
 
 from app.backends.switch import Backends
 from app.block_map import BlockMap
+from app.branch_controller import BranchController
 from app.chat_view import ChatView
 from app.compare_controller import CompareController
 from app.conversation_list import ConversationList, Conversations
@@ -29,6 +30,7 @@ from app.dialogs import about_html
 from app.menus import Menus
 from app.message_widget import speculation_footer
 from app.metrics_panel import MetricsPanel
+from app.pool_snapshot import SavedPool
 from app.settings import AppSettings
 from app.status_bar import StatusBar
 from app.status_fit import StatusFit
@@ -68,6 +70,7 @@ class MainWindow(QMainWindow):
         self._connect_worker()
         self.conversations = Conversations(self, self.conversation_list)  # saved conversations (the sidebar)
         self.compare = CompareController(self)  # Compare → Replay under…
+        self.branching = BranchController(self)  # an edit keeps the version it replaces: "‹ 1/2 ›"
         self.menus.check(cache or self.settings.cache_strategy, block_size or self.settings.block_size)
         self.backends.start()
         if engine is not None:
@@ -174,13 +177,15 @@ class MainWindow(QMainWindow):
         self.client.regenerate(self.sampling_params())
 
     def edit_and_resend(self, text: str, index: int | None = None) -> None:
-        """Replace the user message at `index` (None: the last) with `text` and answer it: the chat continues from
-        it, so the turns after it leave (with their points in the plots); the history before it keeps its cache."""
+        """A new version of the user message at `index` (None: the last), answered: the chat continues from it, and
+        the version shown until now is kept (with the turns after it and their points), to be shown again with
+        the message's "‹ 1/2 ›" switcher; the history before it keeps its cache."""
         messages = self.chat.messages
         if index is None:
             index = max((i for i, m in enumerate(messages) if m.role == "user"), default=None)
         if index is None or messages[index].role != "user":
             return
+        self.branching.edit(index)
         self._sent_text = text
         replaced = sum(1 for m in messages[index:] if m.role == "user")  # this turn and the ones after it
         while len(messages) > index + 1:
@@ -219,11 +224,19 @@ class MainWindow(QMainWindow):
                 self.restore_focus()
 
     def _start_reply(self) -> None:
+        self.block_map.show_live()  # a saved pool state gives way to the live one
         self.status.start_reply()
         self.status.set_speculation(self.sampling_params().speculative)
         self.chat.clear_error()
         self.chat.add_message("assistant", "")
         self._set_generating(True)
+
+    def show_saved_pool(self, record: dict | None) -> None:
+        """The block map shows this saved state until the next turn (None: the live pool)."""
+        if record is None:
+            self.block_map.show_live()
+        else:
+            self.block_map.show_saved(SavedPool.from_record(record))
 
     def _set_generating(self, generating: bool) -> None:
         self.generating = generating
@@ -233,6 +246,8 @@ class MainWindow(QMainWindow):
     # --- file, model and settings actions ------------------------------------------------------------------------
     def new_chat(self) -> None:
         self.metrics.clear()  # a new chat starts with empty plots (the old one's are saved with it)
+        self.block_map.show_live()
+        self.branching.reset()
         self.conversations.new_chat_started()
         self.chat.clear()
         self.chat.clear_error()
@@ -372,7 +387,9 @@ class MainWindow(QMainWindow):
         self._end_stopping("Stopped: the reply so far is kept" if done.finish_reason == "cancelled" else "")
         self.status.set_done(done)
         self.status.set_context(done.n_prompt_tokens + done.n_generated_tokens)
+        self.metrics.record_pool()
         self.metrics.turn_finished(done)
+        self.branching.turn_ended(failed=False)
         self._set_generating(False)
 
     def _end_stopping(self, message: str) -> None:
@@ -390,6 +407,7 @@ class MainWindow(QMainWindow):
         if self.generating:
             self._resync = True
             self.metrics.abandon_turn()  # the worker keeps the conversation as before the turn: so do the plots
+            self.branching.turn_ended(failed=True)  # a failed edit shows the version it replaced again
             self._set_generating(False)
         self.menus.set_busy(self.generating)
 

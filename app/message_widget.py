@@ -1,4 +1,5 @@
-"""One chat message: a role header with actions, the rendered text, and an inline editor for the user's last turn."""
+"""One chat message: a role header with actions (and, on an edited user message, the "‹ 1/2 ›" switcher between
+its versions), the rendered text, and an inline editor."""
 
 from __future__ import annotations
 
@@ -72,6 +73,7 @@ class MessageWidget(QFrame):
 
     regenerate_clicked = Signal()
     edit_submitted = Signal(str)
+    branch_stepped = Signal(int)  # -1: the previous version of this message, +1: the next
 
     def __init__(self, role: str, text: str = "", parent: QWidget | None = None):
         super().__init__(parent)
@@ -117,6 +119,22 @@ class MessageWidget(QFrame):
         self.edit_button.setVisible(edit and self.role == "user")
         self.regenerate_button.setVisible(regenerate and self.role == "assistant")
 
+    def set_branch(self, position: tuple[int, int] | None) -> None:
+        """Show "‹ shown/count ›" (both from 1) for a message with versions; None hides it."""
+        self.branch_box.setVisible(position is not None)
+        if position is None:
+            return
+        shown, count = position
+        self.branch_label.setText(f"{shown}/{count}")
+        self.branch_label.setToolTip(f"Version {shown} of {count} of this message: each edit keeps the versions "
+                                     "before it, with their replies")
+        self.previous_button.setEnabled(shown > 1)
+        self.next_button.setEnabled(shown < count)
+
+    @property
+    def branch_text(self) -> str:
+        return self.branch_label.text() if not self.branch_box.isHidden() else ""
+
     def copy_to_clipboard(self) -> None:
         QGuiApplication.clipboard().setText(self._text)
 
@@ -152,6 +170,7 @@ class MessageWidget(QFrame):
         name = "You" if self.role == "user" else "Assistant"
         header.addWidget(QLabel(name, self, objectName="roleLabel"))
         header.addStretch(1)
+        header.addWidget(self._build_branch_switcher())
         self.copy_button = self._tool_button("Copy", "Copy this message", self.copy_to_clipboard)
         self.edit_button = self._tool_button("Edit", "Edit this message and send it again", self.start_editing)
         self.regenerate_button = self._tool_button("Regenerate", "Generate this reply again",
@@ -160,6 +179,21 @@ class MessageWidget(QFrame):
             header.addWidget(button)
         self.set_actions(edit=False, regenerate=False)
         return header
+
+    def _build_branch_switcher(self) -> QWidget:
+        self.branch_box = QWidget(self)
+        row = QHBoxLayout(self.branch_box)
+        row.setContentsMargins(0, 0, 6, 0)
+        row.setSpacing(0)
+        self.previous_button = self._tool_button("‹", "Show the previous version of this message and its replies",
+                                                 lambda: self.branch_stepped.emit(-1))
+        self.branch_label = QLabel("", self.branch_box, objectName="branchPosition")
+        self.next_button = self._tool_button("›", "Show the next version of this message and its replies",
+                                             lambda: self.branch_stepped.emit(1))
+        for widget in (self.previous_button, self.branch_label, self.next_button):
+            row.addWidget(widget)
+        self.branch_box.hide()
+        return self.branch_box
 
     def _tool_button(self, text: str, tip: str, slot) -> QToolButton:
         button = QToolButton(self, text=text, toolTip=tip, objectName="messageAction")

@@ -18,7 +18,8 @@ from PySide6.QtWidgets import QFrame, QScrollArea, QSplitter, QTextBrowser, QVBo
 from app.figures import figure_rows, figures_html
 from app.model_info import ModelInfo
 from app.plots import PlotBox, make_plot, series_color, update_headroom
-from app.step_log import MIB, Run, StepLog
+from app.pool_snapshot import pool_record
+from app.step_log import MIB, Run, SavedStep, StepLog
 
 REFRESH_MS = 120  # one part per tick: each plot and the figures redraw about three times per second
 MIN_WIDTH = 380  # with a 340-pixel chat the window fits half of a 1920-pixel screen
@@ -163,6 +164,12 @@ class MetricsPanel(QWidget):
         self.kv = kv
         self._update_figures()
 
+    def record_pool(self) -> None:
+        """Keep the block map's state at the end of the turn that just finished (when it added steps), with the
+        step log: a reopened conversation shows its pool as it was."""
+        if self.kv is not None and self._turn_marks and len(self.log.rows) > self._turn_marks[-1].num_rows:
+            self.log.add_pool(pool_record(self.kv))
+
     def turn_finished(self, done) -> None:
         self.last_done = done
         self.refresh()
@@ -172,12 +179,36 @@ class MetricsPanel(QWidget):
         whose points then leave the plots and the CSV; the new reply is drawn in their place, in the same curve.
         replaces: this turn replaces that many of the latest turns (an earlier message edited: the chat
         continues from it), whose points all leave."""
-        count = min(max(replaces, int(replaces_last)), len(self._turn_marks))
+        self.drop_turns(max(replaces, int(replaces_last)))
+        self._turn_marks.append(self.log.mark())
+
+    def drop_turns(self, count: int) -> None:
+        """The points of the latest `count` turns leave the plots and the CSV (those the log knows the start of)."""
+        count = min(count, len(self._turn_marks))
         if count:
             first = self._turn_marks[-count]
             del self._turn_marks[-count:]
             self._rollback(first)
-        self._turn_marks.append(self.log.mark())
+
+    def turn_starts(self) -> list[int]:
+        """Where each turn the log knows of begins in its rows (the latest turns; older ones are not known after
+        View → Clear plots)."""
+        return [mark.num_rows for mark in self._turn_marks]
+
+    def add_saved(self, rows: list, turn_starts: list[int | None], pools: dict[int, dict]) -> None:
+        """Saved steps (a reopened conversation, a branch shown again) drawn as live ones were, each turn's start
+        remembered (so that a later edit takes its points), with the block map's saved states."""
+        starts, first = [s for s in turn_starts if s is not None], len(self.log.rows)
+        kv_precision, weights = self.log.kv_precision, self.log.weights
+        for i in range(len(rows) + 1):
+            self._turn_marks += [self.log.mark() for _ in range(starts.count(i))]
+            if i < len(rows):
+                event = SavedStep.from_row(rows[i])
+                self.log.set_configuration(event.kv_precision, event.weights)
+                self.log.add(event)
+        self.log.set_configuration(kv_precision, weights)  # the live configuration keys the next steps again
+        self.log.pools.update({first + row: pool for row, pool in pools.items()})
+        self.refresh()
 
     def abandon_turn(self) -> None:
         """The turn failed and the conversation is as it was before it: its points go too."""

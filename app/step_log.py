@@ -11,7 +11,9 @@ entry; label() names a run by the parts of its configuration that differ between
 A reply that is replaced (Regenerate, Edit and send) takes its steps with it: mark() before each turn, and
 rollback(mark) puts the log back as it was before that turn, so the new reply continues the same curve.
 
-The rows (one per step, the CSV's columns) are also the log's saved form: from_rows() rebuilds the runs.
+The rows (one per step, the CSV's columns) are also the log's saved form: from_rows() rebuilds the runs. Beside
+them the log keeps the block map's state after a turn's last step (add_pool: app.pool_snapshot records, by row
+index), saved with the rows, so that a reopened conversation shows its pool as it was.
 """
 
 from __future__ import annotations
@@ -116,6 +118,7 @@ class StepLog:
     def __init__(self):
         self.rows: list[tuple] = []
         self.runs: list[Run] = []
+        self.pools: dict[int, dict] = {}  # row index -> the block map's state after that row (pool_snapshot)
         self._open: dict[SeriesKey, Run] = {}
         self.kv_precision = self.weights = ""  # the configuration the next steps run under
 
@@ -135,6 +138,14 @@ class StepLog:
             run = self._new_run(key)
         run.add(event)
         return run
+
+    def add_pool(self, record: dict) -> None:
+        """The block map's state after the latest row (the end of a turn)."""
+        if self.rows:
+            self.pools[len(self.rows) - 1] = record
+
+    def last_pool(self) -> dict | None:
+        return self.pools[max(self.pools)] if self.pools else None
 
     def label(self, run: Run) -> str:
         """The strategy, and the KV precision and weights where the log's runs differ in them:
@@ -169,6 +180,7 @@ class StepLog:
     def clear(self) -> None:
         self.rows.clear()
         self.runs.clear()
+        self.pools.clear()
         self._open.clear()
 
     def mark(self) -> Mark:
@@ -182,6 +194,7 @@ class StepLog:
         removed = self.runs[mark.num_runs:]
         del self.runs[mark.num_runs:]
         del self.rows[mark.num_rows:]
+        self.pools = {row: pool for row, pool in self.pools.items() if row < mark.num_rows}
         for run, (sizes, last_pos) in zip(self.runs, mark.run_state):
             if any(run.columns[name].size != size for name, size in sizes.items()):
                 for name, size in sizes.items():

@@ -9,7 +9,14 @@ Format versions (`"format": "kvscope-conversation"`):
      weights and KV precision it ran under), each reply's generated "token_ids" (so a
      Compare replays the exact tokens), the step log's rows ("steps", app.step_log's columns: the plots) and the
      last Compare result ("compare", engine.replay_result's saved form). Every one of them is optional.
-Files of versions 1 and 2 still open (their replies have no figures, or no steps).
+  4  the same, and what the step log needs to follow edits and the block map: "turn_steps" (for each user message,
+     the index of the first step row of its turn, null where not known), "pools" (the block map's state after a
+     turn's last step: app.pool_snapshot records, each with the "step" row it follows) and "branches" (the
+     versions an edit kept, app.branches: [{"at": index of the edited user message, "alternatives": [null for
+     the version shown (the messages above), or {"messages", "steps", "turn_steps", "pools", "branches"} from
+     that message on]}]). Every one of them is optional.
+Files of versions 1, 2 and 3 still open (their replies have no figures, or no steps; version 3's turn starts are
+read from its steps where each turn's prefill shows where it began).
 A file that is not a kvscope conversation, or whose figures are malformed, raises StorageError with a message fit
 for the user; nothing else changes, so the caller can show the message and carry on.
 """
@@ -24,12 +31,14 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.chat import Conversation, ConversationFormatError
+from app.branches import Fork, Tail
+from engine.chat import FORMAT_NAME, Conversation, ConversationFormatError
 from engine.events import DoneEvent
 
 MAX_FILE_BYTES = 64 * 1024 * 1024
-VERSION = 3
-VERSIONS = (1, 2, 3)
+VERSION = 4
+VERSIONS = (1, 2, 3, 4)
+MAX_BRANCH_DEPTH = 100  # versions inside versions: deeper than this is not a file kvscope wrote
 MAX_TITLE = 200
 FINISH_REASONS = ("stop", "length", "cancelled", "budget")  # budget: the turn reached the KV budget
 # a reply's figures: the DoneEvent fields its footer shows, and their kinds (int counts, float figures)
@@ -50,6 +59,9 @@ class SavedChat:
     steps: list[tuple] = field(default_factory=list)  # the step log's rows (app.step_log.CSV_COLUMNS)
     compare: dict | None = None  # a CompareResult's saved form
     footers: list[str] = field(default_factory=list)  # per message, the footer as shown ("": none saved)
+    turn_steps: list[int | None] = field(default_factory=list)  # per user message, its turn's first step row
+    pools: dict[int, dict] = field(default_factory=dict)  # step row -> the block map's state after it
+    forks: dict[int, Fork] = field(default_factory=dict)  # the versions edits kept (app.branches)
 
     def done_event(self, index: int) -> DoneEvent | None:
         """The saved reply as the DoneEvent its footer was made from (text: the message's)."""
@@ -69,13 +81,15 @@ class StorageError(ValueError):
 def save_conversation(path: str | Path, data: dict | Conversation, replies: list[dict | None] | None = None,
                       extras: dict | None = None) -> None:
     """Write the conversation (a Conversation or its to_dict(), whose messages may carry "token_ids") with each
-    reply's figures (replies[i] for message i, from reply_record) and the extras (title, steps, compare) in the
-    current format, so the file is either old or new, never half."""
+    reply's figures (replies[i] for message i, from reply_record) and the extras (title, steps, compare, footers,
+    turn_steps, pools, forks) in the current format, so the file is either old or new, never half."""
     path = Path(path)
     if isinstance(data, Conversation):
         data = conversation_dict(data)
-    record = with_replies(data, replies or [], (extras or {}).get("footers") or [])
-    record.update({k: v for k, v in (extras or {}).items() if k in ("title", "steps", "compare") and v is not None})
+    extras = extras or {}
+    record = with_replies(data, replies or [], extras.get("footers") or [])
+    record.update({k: v for k, v in extras.items() if k in ("title", "steps", "compare") and v is not None})
+    record.update(_log_record(extras.get("turn_steps"), extras.get("pools"), extras.get("forks")))
     try:
         text = json.dumps(record, ensure_ascii=False, indent=2, allow_nan=False)
     except ValueError as e:
@@ -131,7 +145,10 @@ def open_chat(path: str | Path) -> SavedChat:
         replies = _replies(data)
         conv = Conversation.from_dict(_as_version_1(data))
         _apply_token_ids(conv, data["messages"])
-        return SavedChat(conv, replies, _title(data), _steps(data), _compare(data), _footers(data["messages"]))
+        steps = _steps(data)
+        return SavedChat(conv, replies, _title(data), steps, _compare(data), _footers(data["messages"]),
+                         _turn_steps(data, conv.messages, steps), _pools(data, steps),
+                         _forks(data, [m.role for m in conv.messages], 0, 0))
     except ConversationFormatError as e:
         raise StorageError(f"{path.name} is not a kvscope conversation: {e}") from None
 
@@ -186,6 +203,103 @@ def _compare(data: dict) -> dict | None:
     except (ValueError, KeyError, TypeError) as e:
         raise ConversationFormatError(f"its Compare result is malformed ({e!r})") from None
     return compare
+
+
+# --- version 4: turn starts, block-map snapshots and the versions edits kept ---------------------------------------
+def _log_record(turn_steps, pools, forks) -> dict:
+    """The step log's companions and the branches as saved (empty ones left out)."""
+    record = {}
+    if turn_steps and any(s is not None for s in turn_steps):
+        record["turn_steps"] = list(turn_steps)
+    if pools:
+        record["pools"] = [{"step": row, **pools[row]} for row in sorted(pools)]
+    if forks:
+        record["branches"] = [{"at": at, "alternatives": [None if t is None else _tail_record(t)
+                                                          for t in fork.alternatives]}
+                              for at, fork in sorted(forks.items())]
+    return record
+
+
+def _tail_record(tail: Tail) -> dict:
+    return {"messages": tail.messages, "steps": [list(row) for row in tail.steps],
+            **_log_record(tail.turn_steps, tail.pools, tail.forks)}
+
+
+def first_turn_steps(steps: list[tuple], num_turns: int) -> list[int | None]:
+    """Where each turn begins in a log saved without turn starts (version 3): at each run of prefill rows, when
+    there is one per turn; else not known."""
+    starts = [i for i, row in enumerate(steps) if row[1] == "prefill" and (i == 0 or steps[i - 1][1] != "prefill")]
+    return starts if len(starts) == num_turns else [None] * num_turns
+
+
+def _turn_steps(data: dict, messages: list, steps: list[tuple]) -> list[int | None]:
+    num_turns = sum(1 for m in messages if m.role == "user")
+    raw = data.get("turn_steps")
+    if raw is None:
+        return first_turn_steps(steps, num_turns)
+    known = [s for s in raw if s is not None] if isinstance(raw, list) else []
+    if not isinstance(raw, list) or len(raw) != num_turns or not all(
+            isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= len(steps) for s in known) \
+            or known != sorted(known) or raw[len(raw) - len(known):] != known:
+        raise ConversationFormatError("turn_steps must give, for each user message in order, the step row its turn "
+                                      "begins at (null, first, where not known)")
+    return list(raw)
+
+
+def _pools(data: dict, steps: list[tuple]) -> dict[int, dict]:
+    from app.pool_snapshot import SavedPool
+
+    raw = data.get("pools", [])
+    if not isinstance(raw, list):
+        raise ConversationFormatError("pools must be a list of block-map snapshots")
+    pools = {}
+    for record in raw:
+        step = record.get("step") if isinstance(record, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < len(steps):
+            raise ConversationFormatError("a block-map snapshot must name the step row it follows")
+        try:
+            SavedPool.from_record(record)
+        except ValueError as e:
+            raise ConversationFormatError(str(e)) from None
+        pools[step] = {k: v for k, v in record.items() if k != "step"}
+    return pools
+
+
+def _forks(data: dict, roles: list[str], first: int, depth: int) -> dict[int, Fork]:
+    """The branch points of these messages (roles[0] is message `first`'s), each at one of their user messages."""
+    raw = data.get("branches", [])
+    if not isinstance(raw, list) or depth > MAX_BRANCH_DEPTH:
+        raise ConversationFormatError("branches must be a list of branch points, nested at most "
+                                      f"{MAX_BRANCH_DEPTH} deep")
+    forks: dict[int, Fork] = {}
+    for point in raw:
+        at = point.get("at") if isinstance(point, dict) else None
+        if not isinstance(at, int) or isinstance(at, bool) or not first <= at < first + len(roles) \
+                or roles[at - first] != "user" or at in forks or set(point) != {"at", "alternatives"}:
+            raise ConversationFormatError(f"a branch point at {at!r} is not at a user message of its messages")
+        versions = point["alternatives"]
+        if not isinstance(versions, list) or len(versions) < 2 or sum(v is None for v in versions) != 1:
+            raise ConversationFormatError(f"the branch point at message {at} needs two or more alternatives, one "
+                                          "of them null (the one shown)")
+        forks[at] = Fork([None if v is None else _tail(v, at, depth + 1) for v in versions])
+    return forks
+
+
+def _tail(data, at: int, depth: int) -> Tail:
+    """A kept version of message `at` and what followed it, checked as a conversation's messages are."""
+    if not isinstance(data, dict) or not isinstance(data.get("messages"), list) or not data["messages"] \
+            or set(data) - {"messages", "steps", "turn_steps", "pools", "branches"}:
+        raise ConversationFormatError(f"an alternative at message {at} must be an object with its messages")
+    as_file = {"format": FORMAT_NAME, "version": VERSION, "messages": data["messages"]}
+    replies = _replies(as_file)
+    conv = Conversation.from_dict(_as_version_1(as_file))
+    _apply_token_ids(conv, data["messages"])
+    if conv.messages[0].role != "user":
+        raise ConversationFormatError(f"an alternative at message {at} must begin with the user's message")
+    messages = with_replies(conversation_dict(conv), replies, _footers(data["messages"]))["messages"]
+    steps = _steps(data)
+    return Tail(messages, steps, _turn_steps(data, conv.messages, steps), _pools(data, steps),
+                _forks(data, [m.role for m in conv.messages[1:]], at + 1, depth))
 
 
 def _read_json(path: Path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 from PySide6.QtWidgets import QFileDialog
 
 from app import storage
+from app.conversation_list import record_of, show_saved
 from app.dialogs import SamplingDialog, SystemPromptDialog
 
 CONVERSATION_FILTER = "kvscope conversation (*.json);;All files (*)"
@@ -19,36 +20,25 @@ class WindowActions:
 
     # --- files ------------------------------------------------------------------------------------------------------
     def open_file(self, path: str) -> bool:
+        """Show the file's conversation (chat, footers, plots, block map as saved, versions); it joins the
+        conversation list as a new entry."""
         w = self.window
         try:
             saved = storage.open_chat(path)
         except storage.StorageError as e:
             w.chat.show_error(str(e))
             return False
-        conv = saved.conversation
-        w.chat.set_messages([(m.role, m.content) for m in conv.messages])
-        for i, message in enumerate(w.chat.messages):  # each reply's footer as it was saved
-            done = saved.done_event(i)
-            if done is not None:
-                message.reply = saved.replies[i]
-                shown = saved.footers[i] if i < len(saved.footers) else ""
-                message.set_footer(shown or w.reply_footer(done))  # a file older than footers: rebuilt
-        w.chat.clear_error()
-        w.metrics.clear()  # the opened conversation's plots start empty, as a new chat's
-        w.metrics.new_conversation()
-        w.conversations.new_chat_started()  # it joins the conversation list as a new entry
-        w.status.new_conversation()
-        w.client.open_conversation(conv)
+        show_saved(w, saved)
+        w.conversations.new_chat_started()
         w.status.showMessage(f"Opened {path}", 4000)
         return True
 
     def save_file(self, path: str) -> bool:
         w = self.window
-        n = len(w.snapshot.get("messages", []))  # a reply still streaming is not in the snapshot yet
-        replies = [getattr(m, "reply", None) for m in w.chat.messages[:n]]
-        footers = [m.footer.text() for m in w.chat.messages[:n]]  # as shown: the weights and KV they ran with
+        data = w.snapshot  # a reply still streaming is not in it yet
+        replies, extras = record_of(w, data) if data.get("messages") else ([], {})
         try:
-            storage.save_conversation(path, w.snapshot, replies, {"footers": footers})
+            storage.save_conversation(path, data, replies, extras)
         except storage.StorageError as e:
             self.window.chat.show_error(str(e))
             return False

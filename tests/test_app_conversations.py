@@ -56,7 +56,7 @@ def test_version_3_keeps_title_token_ids_steps_and_compare(tmp_path):
 
     assert saved.title == "Caches" and saved.steps == steps and saved.compare == compare
     assert saved.conversation.messages[1].token_ids == (17, 23)
-    assert json.loads((tmp_path / "c.json").read_text())["version"] == 3
+    assert json.loads((tmp_path / "c.json").read_text())["version"] == storage.VERSION
 
 
 @pytest.mark.parametrize("change, reason", [

@@ -202,7 +202,7 @@ def test_save_then_open_brings_back_every_footer_including_the_stopped_tag(qtbot
     assert window.actions_.save_file(str(path))
 
     data = json.loads(path.read_text())
-    assert data["version"] == storage.VERSION == 3  # version 3: titles, token ids, step log, Compare (all optional)
+    assert data["version"] == storage.VERSION == 4  # version 4: turn starts, block-map states, branches (optional)
     reply = data["messages"][-1]["reply"]
     assert reply["finish_reason"] == "cancelled" and reply["strategy"] == "paged"
     assert reply["n_generated_tokens"] >= 1 and reply["ttft_ms"] > 0
