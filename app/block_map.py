@@ -22,8 +22,8 @@ from PySide6.QtWidgets import QGridLayout, QLabel, QStackedWidget, QVBoxLayout, 
 from app.style import BLOCK_COLORS, BLOCK_LABELS, PLOT_BACKGROUND, TEXT_MUTED
 
 PAD_INDEX = len(BLOCK_COLORS)  # colour of the cells past the last block
-SAVED_CAPTION = ("Saved state: the pool as it was at the end of this conversation's last turn. The live pool shows "
-                 "again when the next turn runs.")
+SAVED_CAPTION = ("Saved state: the pool as it was at the end of this {what}'s last turn. The live pool shows again "
+                 "when the next turn runs.")
 NO_BLOCKS_TEXT = {
     "none": "keeps no KV cache at all: every step recomputes the whole context.",
     "contiguous": "reserves one contiguous buffer per sequence, sized for the whole context.",
@@ -129,7 +129,7 @@ class BlockMap(QWidget):
         layout.addWidget(QLabel("Block pool", self, objectName="sectionTitle"))
         self.summary = QLabel("No model loaded yet.", self, objectName="muted", wordWrap=True)
         layout.addWidget(self.summary)
-        self.caption = QLabel(SAVED_CAPTION, self, objectName="savedCaption", wordWrap=True)
+        self.caption = QLabel("", self, objectName="savedCaption", wordWrap=True)
         self.caption.hide()
         layout.addWidget(self.caption)
         self.saved = False  # showing a saved state (show_saved) until the next turn (show_live)
@@ -151,11 +151,13 @@ class BlockMap(QWidget):
         self.legend_title.setText(f"Each cell: one block of {name} keys and values" if name else "")
         self.legend_title.setVisible(bool(name))
 
-    def show_saved(self, pool) -> None:
-        """Draw a saved pool (a SavedPool) and keep it, captioned, until show_live."""
+    def show_saved(self, pool, what: str = "conversation") -> None:
+        """Draw a saved pool (a SavedPool) and keep it, captioned, until show_live. what: whose last turn it
+        ended ("conversation", "version")."""
         self.saved = False
         self.set_stats(pool)
         self.saved = True
+        self.caption.setText(SAVED_CAPTION.format(what=what))
         self.caption.show()
 
     def show_live(self) -> None:

@@ -27,7 +27,7 @@ from PySide6.QtWidgets import (
 
 from app import storage
 from app.branch_controller import add_records, turn_steps
-from app.conversation_store import ConversationStore, Entry, default_folder
+from app.conversation_store import ConversationStore, Entry, default_folder, title_from
 
 MIN_WIDTH = 180  # narrower than this beside the other panes' minimums, the sidebar folds away
 OPEN_WIDTH = 210  # the sidebar's width when it opens again
@@ -245,7 +245,8 @@ class Conversations:
             self.refresh()
             return False
         show_saved(w, saved)
-        w.status.showMessage(f"Opened “{saved.title or 'conversation'}”", 4000)
+        title = saved.title or title_from([{"role": m.role, "content": m.content} for m in saved.conversation.messages])
+        w.status.showMessage(f"Opened “{title}”", 4000)
         self.current, self.title, self.compare = conversation_id, saved.title or None, saved.compare
         self._saved = (conversation_id, repr(storage.conversation_dict(saved.conversation)), repr(saved.replies),
                        self.title, len(w.metrics.log.rows), id(self.compare), w.branching.revision,
@@ -328,6 +329,6 @@ def show_saved(window, saved: storage.SavedChat) -> None:
         w.metrics.turn_finished(last_done)
     w.branching.reset(saved.forks)
     w.show_saved_pool(w.metrics.log.last_pool())
-    w.status.new_conversation()
+    w.show_last_reply(last_done)
     w.snapshot = storage.conversation_dict(conv)  # what the worker holds from now on
     w.client.open_conversation(conv)

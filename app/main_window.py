@@ -231,12 +231,19 @@ class MainWindow(QMainWindow):
         self.chat.add_message("assistant", "")
         self._set_generating(True)
 
-    def show_saved_pool(self, record: dict | None) -> None:
+    def show_saved_pool(self, record: dict | None, what: str = "conversation") -> None:
         """The block map shows this saved state until the next turn (None: the live pool)."""
         if record is None:
             self.block_map.show_live()
         else:
-            self.block_map.show_saved(SavedPool.from_record(record))
+            self.block_map.show_saved(SavedPool.from_record(record), what)
+
+    def show_last_reply(self, done) -> None:
+        """The status bar shows a shown conversation's last reply: its speed, first token and context."""
+        self.status.new_conversation()
+        if done is not None:
+            self.status.set_done(done)
+            self.status.set_context(done.n_prompt_tokens + done.n_generated_tokens)
 
     def _set_generating(self, generating: bool) -> None:
         self.generating = generating

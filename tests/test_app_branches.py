@@ -255,6 +255,8 @@ def test_versions_are_saved_with_the_conversation_and_switch_after_reopening(qtb
     assert conversations.open(first)
 
     assert window.chat.messages[0].branch_text == "2/2" and window.chat.messages[0].text == "Edited"
+    done = window.metrics.last_done  # the status bar shows the last reply's context, not an empty one
+    assert window.status.text("context").startswith(f"context {done.n_prompt_tokens + done.n_generated_tokens:,} /")
     assert window.branching.switch(0, 0)
     assert shown(window) == original
     qtbot.waitUntil(lambda: conversations.store.open(first).forks[0].shown == 0, timeout=60_000)  # saved again
