@@ -16,13 +16,9 @@ from engine.chat import Conversation, PromptTooLong, fit_to_context
 from engine.config import EngineConfig, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 from engine.events import DoneEvent, Event, StepEvent, TrimEvent
-from engine.kv import precision, quant
+from engine.kv import precision
 from engine.kv.base import BLOCK_OTHER, KVCache, KVCacheFull, KVStats
-from engine.kv.contiguous import ContiguousCache
-from engine.kv.contiguous_quant import ContiguousQuantCache
-from engine.kv.paged import PagedCache
-from engine.kv.paged_quant import PagedQuantCache
-from engine.kv.recompute import RecomputeCache
+from engine.kv.factory import CacheShape, new_cache
 from engine.model import LlamaModel
 from engine.sampler import Sampler
 from engine.speculative import Speculator
@@ -64,26 +60,12 @@ def largest_layer_shape(config) -> tuple[int, int]:
 
 
 def make_cache(strategy: str, engine: Engine, block_size: int, pool_tokens: int | None) -> KVCache:
-    cache = _new_cache(strategy, engine, block_size, pool_tokens)
+    """The engine's own cache: its precision, its budget, its prefix-reuse switch."""
+    budget = engine.config.kv_budget_mib
+    cache = new_cache(strategy, engine.kv_precision, engine.cache_shape(), block_size, pool_tokens,
+                      budget_bytes=None if budget is None else int(budget * 2**20))
     cache.prefix_reuse = engine.config.prefix_reuse
     return cache
-
-
-def _new_cache(strategy: str, engine: Engine, block_size: int, pool_tokens: int | None) -> KVCache:
-    """A layout (none, contiguous, paged) over the engine's KV precision; 'paged-int8' names paged + int8."""
-    layout, kv = ("paged", "int8") if strategy == "paged-int8" else (strategy, engine.kv_precision)
-    codec = quant.CODECS.get(kv)
-    dtype = engine.dtype if layout == "none" or codec else getattr(torch, kv)  # quantized: windows in activations
-    args = (engine.model_config, dtype, engine.device, engine.max_context)
-    if layout == "none":
-        return RecomputeCache(*args)
-    full_precision = {"residual": engine.config.kv_residual, "sink": engine.config.kv_sink}
-    if layout == "contiguous":
-        return ContiguousQuantCache(*args, codec=codec, **full_precision) if codec else ContiguousCache(*args)
-    budget = engine.config.kv_budget_mib
-    sizes = {"block_size": block_size, "pool_tokens": pool_tokens,
-             "budget_bytes": None if budget is None else int(budget * 2**20)}
-    return PagedQuantCache(*args, codec=codec, **full_precision, **sizes) if codec else PagedCache(*args, **sizes)
 
 
 class Engine:
@@ -198,6 +180,11 @@ class Engine:
         quantized precision the dtype of its full-precision window (the activations')."""
         self.kv_precision = precision.resolve(kv_dtype, self.device, self.dtype, loader.cache_root())
         self.kv_dtype = self.dtype if self.kv_precision in precision.QUANTIZED else getattr(torch, self.kv_precision)
+
+    def cache_shape(self, max_context: int | None = None) -> CacheShape:
+        """What every cache of this engine shares (a bench may ask for a shorter context)."""
+        return CacheShape(self.model_config, self.dtype, self.device, max_context or self.max_context,
+                          residual=self.config.kv_residual, sink=self.config.kv_sink)
 
     @property
     def kv_dtype_name(self) -> str:

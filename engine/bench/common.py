@@ -20,13 +20,8 @@ from tqdm import tqdm
 from engine import loader
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.kv import quant
 from engine.kv.base import KVCache
-from engine.kv.contiguous import ContiguousCache
-from engine.kv.contiguous_quant import ContiguousQuantCache
-from engine.kv.paged import PagedCache
-from engine.kv.paged_quant import PagedQuantCache
-from engine.kv.recompute import RecomputeCache
+from engine.kv.factory import new_cache
 from engine.machine import cpu_model
 
 ENGINE_STRATEGIES = ("none", "contiguous", "paged", "paged-int8")
@@ -167,25 +162,14 @@ def random_ids(n: int, vocab_size: int, seed: int = SEED) -> list[int]:
 
 # ---- caches
 def make_cache(engine: Engine, strategy: str, block_size: int = 16, pool_tokens: int | None = None,
-               max_context: int | None = None, dtype: torch.dtype | None = None, kv: str | None = None) -> KVCache:
-    """A cache of the engine's model: strategy a layout (or 'paged-int8'); kv a precision (None: the engine's
-    KV dtype; dtype overrides a float one)."""
+               max_context: int | None = None, kv: str | None = None) -> KVCache:
+    """A cache of the engine's model, with no budget: strategy a layout, a preset ('paged-int8') or a bench row
+    name ('paged, KV int4'); kv a precision (None: the engine's)."""
     from engine.bench.report import parse_kv_row
 
     layout, named_kv = parse_kv_row(strategy)
-    layout, kv = ("paged", "int8") if layout == "paged-int8" else (layout, named_kv or kv)
-    codec = quant.CODECS.get(kv)
-    kv_dtype = getattr(torch, kv) if kv and not codec else engine.kv_dtype
-    float_dtype = engine.dtype if layout == "none" or codec else (dtype or kv_dtype)
-    args = (engine.model_config, float_dtype, engine.device, max_context or engine.max_context)
-    if layout == "none":
-        return RecomputeCache(*args)
-    full_precision = {"residual": engine.config.kv_residual, "sink": engine.config.kv_sink}
-    if layout == "contiguous":
-        return ContiguousQuantCache(*args, codec=codec, **full_precision) if codec else ContiguousCache(*args)
-    if codec:
-        return PagedQuantCache(*args, codec=codec, block_size=block_size, pool_tokens=pool_tokens, **full_precision)
-    return PagedCache(*args, block_size=block_size, pool_tokens=pool_tokens)
+    return new_cache(layout, named_kv or kv or engine.kv_precision, engine.cache_shape(max_context),
+                     block_size, pool_tokens)
 
 
 @contextmanager

@@ -80,14 +80,24 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
-// unsigned codes (0..15 or |w|) times signed activations, summed in pairs then in fours -> 8 int32
-inline __m256i dot_u8_s8(__m256i u, __m256i s) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+// unsigned codes (0..15 or |w| <= 128) times signed activations (|s| <= 127), four products a lane -> 8 int32.
+// No pair of products reaches maddubs' int16 saturation, so every path gives the same integers (and bits).
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define KVSCOPE_VNNI 1
+inline __m256i dot_u8_s8_add(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#elif defined(__AVXVNNI__)
+#define KVSCOPE_VNNI 1
+inline __m256i dot_u8_s8_add(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#else
+inline __m256i dot_u8_s8_add(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
+#endif
 
 // unsigned codes times a block's two activation parts: 256 * (u . hi) + (u . lo), as 8 floats
 inline __m256 dot_two_parts(__m256i u, __m256i hi, __m256i lo) {
-  return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(dot_u8_s8(u, hi), 8), dot_u8_s8(u, lo)));
+  __m256i high = _mm256_slli_epi32(dot_u8_s8_add(_mm256_setzero_si256(), u, hi), 8);
+  return _mm256_cvtepi32_ps(dot_u8_s8_add(high, u, lo));
 }
 #endif
 
