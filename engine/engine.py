@@ -107,7 +107,7 @@ class Engine:
             config = EngineConfig(**{**config.__dict__, "weights": fmt})
         max_positions = min(config.max_context or weights.config.max_position_embeddings,
                             weights.config.max_position_embeddings)
-        net = LlamaModel.from_hf_state_dict(weights.config, weights.state_dict, max_positions)
+        net = LlamaModel.from_hf_state_dict(weights.config, weights.state_dict, max_positions, consume=True)
         # every tensor is already in its format (auto: never below its file's precision); the constructor must not
         # convert the whole model to one format again
         engine = cls(net, weights.tokenizer, EngineConfig(**{**config.__dict__, "weights": None}), weights.name)

@@ -139,7 +139,9 @@ def _hf_cache_snapshot(model_id: str) -> Path | None:
 
 
 # ---- Hugging Face folders
-def load_hf_folder(folder: Path, progress: Progress, weight_format: str | None = None) -> LoadedWeights:
+def load_hf_folder(folder: Path, progress: Progress, weight_format: str | None = None,
+                   converted: bool = False) -> LoadedWeights:
+    """converted: a folder this loader wrote from a GGUF (its tokenizer starts without transformers)."""
     config = _read_config(folder)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -153,7 +155,7 @@ def load_hf_folder(folder: Path, progress: Progress, weight_format: str | None =
     progress(f"loading {len(files)} weight file(s)" + (f" as {weight_format}" if weight_format else ""), 0.2)
     state = _read_safetensors(files, weight_format)
     progress("loading the tokenizer", 0.9)
-    tokenizer = _load_tokenizer(folder)
+    tokenizer = _load_tokenizer(folder, converted)
     progress("loaded", 1.0)
     return LoadedWeights(folder.name, config, state, tokenizer, str(folder), sum(f.stat().st_size for f in files),
                          _read_gguf_types(folder))
@@ -224,7 +226,28 @@ def stored_tensors(state: dict[str, torch.Tensor | QuantizedWeight]) -> dict[str
     return out
 
 
-def _load_tokenizer(folder: Path):
+def _load_tokenizer(folder: Path, converted: bool = False):
+    """A converted GGUF's tokenizer through `tokenizers` and jinja2 (engine/tokenizer.py); a Hugging Face folder's,
+    or one that differed from transformers on the probes, through transformers."""
+    from engine.tokenizer import Tokenizer, TokenizerError, TokenizerSettings, check_and_save
+
+    if not converted or not (folder / "tokenizer.json").is_file():
+        return _transformers_tokenizer(folder)
+    settings = TokenizerSettings.read(folder)
+    if settings is None:  # converted before kvscope-tokenizer.json existed: checked once against transformers
+        reference = _transformers_tokenizer(folder)
+        settings = check_and_save(folder, reference)
+        if not settings.matches_transformers:
+            return reference
+    if not settings.matches_transformers:
+        return _transformers_tokenizer(folder)
+    try:
+        return Tokenizer.from_folder(folder, settings)
+    except TokenizerError as e:
+        raise ModelLoadError(f"{folder}: the tokenizer could not be loaded: {e}") from None
+
+
+def _transformers_tokenizer(folder: Path):
     from transformers import AutoTokenizer
 
     try:
@@ -235,15 +258,16 @@ def _load_tokenizer(folder: Path):
 
 # ---- GGUF files
 def load_gguf(path: Path, progress: Progress, weight_format: str | None = None) -> LoadedWeights:
-    arch = gguf_architecture(path)
-    try:
-        family_of_gguf(arch)
-    except ArchitectureError as e:
-        raise ModelLoadError(f"{path.name}: {e}") from None
+    """A converted file starts from its cache (the key covers the file's path, size and modification time); the
+    header is read and checked only to convert."""
     target = gguf_cache_folder(path)
     if not (target / "model.safetensors").is_file():
+        try:
+            family_of_gguf(gguf_architecture(path))
+        except ArchitectureError as e:
+            raise ModelLoadError(f"{path.name}: {e}") from None
         convert_gguf(path, target, progress)
-    weights = load_hf_folder(target, progress, weight_format)
+    weights = load_hf_folder(target, progress, weight_format, converted=True)
     weights.name, weights.source, weights.file_bytes = path.stem, str(path), path.stat().st_size
     return weights
 
@@ -301,6 +325,8 @@ def convert_gguf(path: Path, target: Path, progress: Progress) -> None:
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
+    from engine.tokenizer import check_and_save
+
     config = gguf_model_config(path)
     try:
         ModelConfig.from_hf_dict(config)
@@ -319,6 +345,7 @@ def convert_gguf(path: Path, target: Path, progress: Progress) -> None:
         save_file(stored_tensors(state), str(staging / "model.safetensors"))
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         tokenizer.save_pretrained(str(staging))
+        check_and_save(staging, tokenizer)  # later starts read it without transformers
         _publish(staging, target)
         shutil.rmtree(target.parent / target.name.removesuffix(f"-{CACHE_LAYOUT}"), ignore_errors=True)  # float32 era
     except ModelLoadError:

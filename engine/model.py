@@ -221,7 +221,8 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.embedding_scale = config.hidden_size ** 0.5 if config.family.embedding_scale else None
         self.final_softcap = config.final_logit_softcap
-        self.build_rotary(max_positions)
+        if torch.get_default_device().type != "meta":  # from_hf_state_dict builds it once the weights are in
+            self.build_rotary(max_positions)
 
     def build_rotary(self, max_positions: int | None) -> None:
         positions = max_positions or self.config.max_position_embeddings
@@ -291,12 +292,13 @@ class LlamaModel(nn.Module):
 
     @classmethod
     def from_hf_state_dict(cls, config: ModelConfig, state: dict[str, Weight],
-                           max_positions: int | None = None) -> LlamaModel:
+                           max_positions: int | None = None, consume: bool = False) -> LlamaModel:
         """Build from Hugging Face Llama weight names (float tensors or QuantizedWeight, any mix), fusing q/k/v
-        and gate/up projections."""
+        and gate/up projections. consume: empty `state` as its tensors move into the model, so that a load never
+        holds a tensor twice (the caller's dict no longer keeps the originals alive)."""
         with torch.device("meta"):
             model = cls(config, max_positions)
-        fused = fuse_hf_state_dict(config, state)
+        fused = fuse_hf_state_dict(config, state, consume)
         for name in list(model.projections()):
             weight = fused.pop(f"{name}.weight", None)
             if weight is None and name in ("embed_tokens.table", "lm_head"):
@@ -327,26 +329,32 @@ def _set_module(model: nn.Module, dotted: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
 
-def fuse_hf_state_dict(c: ModelConfig, state: dict[str, Weight]) -> dict[str, Weight]:
+def fuse_hf_state_dict(c: ModelConfig, state: dict[str, Weight], consume: bool = False) -> dict[str, Weight]:
     """Hugging Face names -> this model's: q/k/v (weights and biases) and gate/up fused; a checkpoint that
-    already fuses them (Phi-3's qkv_proj, gate_up_proj) passes through."""
+    already fuses them (Phi-3's qkv_proj, gate_up_proj) passes through. consume: each tensor leaves `state` as it
+    is taken, so a fused projection's parts are freed once it is built."""
+    take = state.pop if consume else state.get
     out = {}
-    for name, tensor in state.items():
-        name = name.removeprefix("model.")
-        if name.startswith("layers.") and (".q_proj." in name or ".gate_proj." in name):
-            prefix = name.split(".self_attn.")[0] if "self_attn" in name else name.split(".mlp.")[0]
-            out.update(_fused_layer(state, prefix, "self_attn" in name, name.rpartition(".")[2]))
-        elif not any(p in name for p in (".k_proj.", ".v_proj.", ".up_proj.", "rotary_emb")):
-            out[name] = tensor
+    for name in list(state):
+        if name not in state:  # fused into an earlier projection
+            continue
+        short = name.removeprefix("model.")
+        if short.startswith("layers.") and (".q_proj." in short or ".gate_proj." in short):
+            attention = "self_attn" in short
+            prefix = short.split(".self_attn.")[0] if attention else short.split(".mlp.")[0]
+            out.update(_fused_layer(state, take, prefix, attention, short.rpartition(".")[2]))
+        elif not any(p in short for p in (".k_proj.", ".v_proj.", ".up_proj.", "rotary_emb")):
+            out[short] = take(name)
     if c.tie_word_embeddings:
         out.pop("lm_head.weight", None)
     return out
 
 
-def _fused_layer(state: dict, prefix: str, attention: bool, leaf: str) -> dict[str, Weight]:
-    """leaf: weight or bias."""
+def _fused_layer(state: dict, take, prefix: str, attention: bool, leaf: str) -> dict[str, Weight]:
+    """leaf: weight or bias. take: state.get, or state.pop to consume."""
     def get(suffix):
-        return state.get(f"model.{prefix}.{suffix}", state.get(f"{prefix}.{suffix}"))
+        key = f"model.{prefix}.{suffix}"
+        return take(key if key in state else f"{prefix}.{suffix}", None)
 
     if attention:
         parts = [get(f"self_attn.{p}_proj.{leaf}") for p in "qkv"]

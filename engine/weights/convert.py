@@ -72,8 +72,11 @@ def at_least_the_file(fmt: str, gguf_type: str | None) -> str:
 
 
 def to_auto_format(state: dict[str, Weight], fmt: str, gguf_types: dict[str, str]) -> dict[str, Weight]:
-    """Every weight in auto's choice `fmt`, each tensor never below the precision its GGUF file gave it."""
-    return {n: to_format(w, at_least_the_file(fmt, gguf_types.get(n)), n) for n, w in state.items()}
+    """Every weight in auto's choice `fmt`, each tensor never below the precision its GGUF file gave it. Converted
+    in place, one tensor at a time (each original is freed as its conversion replaces it); returns `state`."""
+    for name in list(state):
+        state[name] = to_format(state[name], at_least_the_file(fmt, gguf_types.get(name)), name)
+    return state
 
 
 def module_weight(module: WeightLinear) -> Weight:

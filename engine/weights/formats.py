@@ -57,14 +57,22 @@ class QuantizedWeight:
         packed = self.codes.view(n, k // g, g // 2)
         return torch.cat([packed & 15, packed >> 4], dim=-1).view(n, k)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """-> [N, K] in dtype."""
+    def dequantize(self, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+        """-> [N, K] in dtype: code * scale, then + minimum (two roundings in dtype), written in place into one
+        tensor (`out`, [N * K], if given: a reused buffer) with no float intermediates."""
         n, k = self.shape
         g = self.group_size
-        codes = self.unpacked_codes().to(dtype).view(n, k // g, g)
-        w = codes * self.scales.to(dtype)[..., None]
+        w = torch.empty(n * k, dtype=dtype, device=self.codes.device) if out is None else out
+        w = w.view(n, k // g, g)
+        if self.bits == 8:
+            w.copy_(self.codes.view(n, k // g, g))
+        else:
+            packed = self.codes.view(n, k // g, g // 2)  # byte j: code j (low nibble), code j + g/2 (high)
+            w[..., : g // 2].copy_(packed & 15)
+            w[..., g // 2:].copy_(packed >> 4)
+        w.mul_(self.scales.to(dtype)[..., None])
         if self.minimums is not None:
-            w = w + self.minimums.to(dtype)[..., None]
+            w.add_(self.minimums.to(dtype)[..., None])
         return w.view(n, k)
 
     @staticmethod
