@@ -8,8 +8,9 @@ window's or the Compare window's) ends the replay within a step.
 from __future__ import annotations
 
 from PySide6.QtGui import QAction, QKeySequence
-from PySide6.QtWidgets import QFileDialog, QMenu
+from PySide6.QtWidgets import QMenu
 
+from app import file_dialogs
 from app.compare_dialog import CompareDialog
 from app.compare_view import CompareView
 from engine.replay_result import CompareResult
@@ -146,6 +147,6 @@ class CompareController:
         return menu
 
     def _ask_path(self, file_filter: str, action) -> None:
-        path, _ = QFileDialog.getSaveFileName(self.view, "Export", "", file_filter)
+        path = file_dialogs.ask(self.view, "Export", self.window.settings.last_folder, file_filter, "save")
         if path:
             action(path)

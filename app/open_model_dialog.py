@@ -10,7 +10,6 @@ from PySide6.QtWidgets import (
     QAbstractItemView,
     QDialog,
     QDialogButtonBox,
-    QFileDialog,
     QHBoxLayout,
     QLabel,
     QPushButton,
@@ -20,6 +19,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app import file_dialogs
 from app.style import human_bytes
 from engine import loader
 from engine import model_library as lib
@@ -119,7 +119,7 @@ class OpenModelDialog(QDialog):
                 self.table.selectRow(row)
 
     def _ask_folder(self) -> None:
-        folder = QFileDialog.getExistingDirectory(self, "Add a folder of GGUF models")
+        folder = file_dialogs.ask(self, "Add a folder of GGUF models", mode="folder")
         if folder:
             self.add_models_folder(Path(folder))
 

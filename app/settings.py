@@ -101,6 +101,15 @@ class AppSettings:
     def model_path(self, value: str | None) -> None:
         self.q.setValue("engine/model", value or "")
 
+    @property
+    def last_folder(self) -> str:
+        """Where the last conversation or export was opened or saved: the file dialogs start there."""
+        return self._get("files/last_folder", "", str)
+
+    @last_folder.setter
+    def last_folder(self, value: str) -> None:
+        self.q.setValue("files/last_folder", value or "")
+
     # --- backend: the local engine, or an OpenAI-compatible server -------------------------------------------------
     @property
     def backend(self) -> str:

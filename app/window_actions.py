@@ -5,9 +5,9 @@ Every failure is shown in the window (the chat's error banner) and changes nothi
 
 from __future__ import annotations
 
-from PySide6.QtWidgets import QFileDialog
+from pathlib import Path
 
-from app import storage
+from app import file_dialogs, storage
 from app.conversation_list import record_of, show_saved
 from app.dialogs import SamplingDialog, SystemPromptDialog
 
@@ -60,21 +60,24 @@ class WindowActions:
         return True
 
     def ask_path(self, action, save: bool, file_filter: str = CONVERSATION_FILTER) -> None:
-        ask = QFileDialog.getSaveFileName if save else QFileDialog.getOpenFileName
-        path, _ = ask(self.window, "Save" if save else "Open", "", file_filter)
+        """Ask for a file (starting in the folder last used), then act on it; the input has the focus after."""
+        settings = self.window.settings
+        path = file_dialogs.ask(self.window, "Save" if save else "Open", settings.last_folder, file_filter,
+                                "save" if save else "open")
         self.window.restore_focus()
         if path:
+            settings.last_folder = str(Path(path).parent)
             action(path)
 
     # --- model ------------------------------------------------------------------------------------------------------
     def choose_gguf(self) -> None:
-        path, _ = QFileDialog.getOpenFileName(self.window, "Choose a GGUF model", "", "GGUF model (*.gguf)")
+        path = file_dialogs.ask(self.window, "Choose a GGUF model", "", "GGUF model (*.gguf)")
         self.window.restore_focus()
         if path:
             self.window.load_model(path)
 
     def choose_folder(self) -> None:
-        path = QFileDialog.getExistingDirectory(self.window, "Choose a Hugging Face model folder")
+        path = file_dialogs.ask(self.window, "Choose a Hugging Face model folder", mode="folder")
         self.window.restore_focus()
         if path:
             self.window.load_model(path)
