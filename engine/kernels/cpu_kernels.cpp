@@ -532,24 +532,13 @@ inline float softmax_row(float* s, int64_t last, int64_t padded, float mx) {
 #endif
 }
 
-// Rows of keys or values as float32 [D]: read in place (float32) or converted into a scratch row.
+// Rows of keys or values [D] as stored (float32, bfloat16 or float16), read in place.
 template <typename T>
 struct StoreRows {
+  using Element = T;
   int64_t first = 0;  // the position of at[0]
   std::vector<const T*> at;  // per position from `first`
-  const float* row(int64_t p, float* tmp, int64_t d) const {
-    const T* src = at[p - first];
-    if constexpr (std::is_same_v<T, float>) {
-      return src;
-    } else {
-#ifdef KVSCOPE_AVX2
-      for (int64_t j = 0; j < d; j += 8) _mm256_storeu_ps(tmp + j, Load<T>::v8(src + j));
-#else
-      for (int64_t j = 0; j < d; ++j) tmp[j] = Load<T>::one(src + j);
-#endif
-      return tmp;
-    }
-  }
+  const T* raw(int64_t p) const { return at[p - first]; }
 };
 
 // Attention over fixed key tiles: the keys of positions [t * KEY_TILE, (t + 1) * KEY_TILE) form tile t, whatever
@@ -561,22 +550,13 @@ constexpr int64_t KEY_TILE = 256;
 
 // rows * group query vectors q ([nq, D], row r head j at r * group + j, already scaled) at positions pos[r]
 // attend to the keys k0..min(k1, pos[r] + 1) - 1; per vector: max -> part[0], sum -> part[1], values -> part[2..]
-inline void prefetch_row(const float* key, const float* value, int64_t bytes) {
+inline void prefetch_row(const void* key, const void* value, int64_t bytes) {
 #ifdef KVSCOPE_AVX2
   for (int64_t off = 0; off < bytes; off += 64) {
     _mm_prefetch(reinterpret_cast<const char*>(key) + off, _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(value) + off, _MM_HINT_T1);
   }
 #endif
-}
-
-// the tile's rows as float32: the store's own rows for a float32 store, else converted into scratch [n, D]
-template <typename R>
-void tile_rows(const R& reader, int64_t k0, int64_t k1, int64_t d, std::vector<const float*>& rows,
-               std::vector<float>& scratch) {
-  rows.resize(k1 - k0);
-  scratch.resize((k1 - k0) * d);
-  for (int64_t p = k0; p < k1; ++p) rows[p - k0] = reader.row(p, scratch.data() + (p - k0) * d, d);
 }
 
 #ifdef KVSCOPE_AVX2
@@ -589,50 +569,53 @@ inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 
 // scores of one query against keys 0..n-1 (rows k), four keys at a time; a last group of fewer than four reads
 // its last key again in the missing places and drops those scores, so every score is reduced the same way
-inline void score_keys(const float* q, const float* const* k, int64_t n, int64_t d, float* out) {
+// (keys stored as T are converted 8 at a time in registers: exact, so the bits are those of float32 rows)
+template <typename T>
+inline void score_keys(const float* q, const T* const* k, int64_t n, int64_t d, float* out) {
 #ifdef KVSCOPE_AVX2
   for (int64_t p = 0; p < n; p += 4) {
-    const float* r[4];
+    const T* r[4];
     for (int64_t j = 0; j < 4; ++j) r[j] = k[std::min(p + j, n - 1)];
     __m256 q0 = _mm256_loadu_ps(q);
-    __m256 a0 = _mm256_mul_ps(q0, _mm256_loadu_ps(r[0])), a1 = _mm256_mul_ps(q0, _mm256_loadu_ps(r[1]));
-    __m256 a2 = _mm256_mul_ps(q0, _mm256_loadu_ps(r[2])), a3 = _mm256_mul_ps(q0, _mm256_loadu_ps(r[3]));
+    __m256 a0 = _mm256_mul_ps(q0, Load<T>::v8(r[0])), a1 = _mm256_mul_ps(q0, Load<T>::v8(r[1]));
+    __m256 a2 = _mm256_mul_ps(q0, Load<T>::v8(r[2])), a3 = _mm256_mul_ps(q0, Load<T>::v8(r[3]));
     for (int64_t j = 8; j < d; j += 8) {
       __m256 qj = _mm256_loadu_ps(q + j);
-      a0 = _mm256_fmadd_ps(qj, _mm256_loadu_ps(r[0] + j), a0);
-      a1 = _mm256_fmadd_ps(qj, _mm256_loadu_ps(r[1] + j), a1);
-      a2 = _mm256_fmadd_ps(qj, _mm256_loadu_ps(r[2] + j), a2);
-      a3 = _mm256_fmadd_ps(qj, _mm256_loadu_ps(r[3] + j), a3);
+      a0 = _mm256_fmadd_ps(qj, Load<T>::v8(r[0] + j), a0);
+      a1 = _mm256_fmadd_ps(qj, Load<T>::v8(r[1] + j), a1);
+      a2 = _mm256_fmadd_ps(qj, Load<T>::v8(r[2] + j), a2);
+      a3 = _mm256_fmadd_ps(qj, Load<T>::v8(r[3] + j), a3);
     }
     alignas(16) float four[4];
     _mm_store_ps(four, hsum4(a0, a1, a2, a3));
     for (int64_t j = 0; j < 4 && p + j < n; ++j) out[p + j] = four[j];
   }
 #else
-  for (int64_t p = 0; p < n; ++p) out[p] = dot<float>(q, k[p], d);
+  for (int64_t p = 0; p < n; ++p) out[p] = dot<T>(q, k[p], d);
 #endif
 }
 
 // out[0..d) += sum over p < n of e[p] * v[p], in position order per lane; D/8 accumulators in registers for D 64
-template <int D8>
-inline void weigh_values_fixed(const float* e, const float* const* v, int64_t n, float* out) {
+template <int D8, typename T>
+inline void weigh_values_fixed(const float* e, const T* const* v, int64_t n, float* out) {
 #ifdef KVSCOPE_AVX2
   __m256 acc[D8];
   for (int j = 0; j < D8; ++j) acc[j] = _mm256_loadu_ps(out + 8 * j);
   for (int64_t p = 0; p < n; ++p) {
     __m256 w = _mm256_set1_ps(e[p]);
-    for (int j = 0; j < D8; ++j) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v[p] + 8 * j), acc[j]);
+    for (int j = 0; j < D8; ++j) acc[j] = _mm256_fmadd_ps(w, Load<T>::v8(v[p] + 8 * j), acc[j]);
   }
   for (int j = 0; j < D8; ++j) _mm256_storeu_ps(out + 8 * j, acc[j]);
 #else
-  for (int64_t p = 0; p < n; ++p) axpy<float>(e[p], v[p], out, D8 * 8);
+  for (int64_t p = 0; p < n; ++p) axpy<T>(e[p], v[p], out, D8 * 8);
 #endif
 }
 
-inline void weigh_values(const float* e, const float* const* v, int64_t n, float* out, int64_t d) {
+template <typename T>
+inline void weigh_values(const float* e, const T* const* v, int64_t n, float* out, int64_t d) {
   if (d == 64) return weigh_values_fixed<8>(e, v, n, out);
   if (d == 128) return weigh_values_fixed<16>(e, v, n, out);
-  for (int64_t p = 0; p < n; ++p) axpy<float>(e[p], v[p], out, d);
+  for (int64_t p = 0; p < n; ++p) axpy<T>(e[p], v[p], out, d);
 }
 
 // each vector's partial: its maximum score, the softmax weights in place of its scores (and their sum), and
@@ -654,18 +637,22 @@ template <typename K, typename V>
 void attend_tile(const float* q, float* part, const K& keys, const V& values, const int32_t* pos, int64_t rows,
                  int64_t group, int64_t d, int64_t k0, int64_t k1) {
   constexpr int64_t KEYS_AT_ONCE = 4, VALUES_AT_ONCE = 32;  // rows kept in L1 while every query vector uses them
+  using TK = typename K::Element;
+  using TV = typename V::Element;
   int64_t n = k1 - k0, padded = (n + 7) / 8 * 8, nq = rows * group, stride = d + 2;
-  thread_local std::vector<const float*> rows_k, rows_v;
-  thread_local std::vector<float> scratch_k, scratch_v, scores;
-  tile_rows(keys, k0, k1, d, rows_k, scratch_k);
-  tile_rows(values, k0, k1, d, rows_v, scratch_v);
+  thread_local std::vector<const TK*> rows_k;  // the stored rows, read in place in their own type
+  thread_local std::vector<const TV*> rows_v;
+  thread_local std::vector<float> scores;
+  rows_k.resize(n);
+  rows_v.resize(n);
+  for (int64_t p = k0; p < k1; ++p) rows_k[p - k0] = keys.raw(p), rows_v[p - k0] = values.raw(p);
   scores.assign(nq * padded, 0.f);
   std::vector<int64_t> last(nq);  // each vector's last key in this tile, from k0
   for (int64_t i = 0; i < nq; ++i) last[i] = std::min<int64_t>(pos[i / group], k1 - 1) - k0;
   for (int64_t p = 0; p < n; p += KEYS_AT_ONCE) {
     // ahead of their use: the next keys into L1, the values at the same pace into L2 (read after the softmax)
     for (int64_t a = p + 4 * KEYS_AT_ONCE; a < std::min(n, p + 5 * KEYS_AT_ONCE); ++a)
-      prefetch_row(rows_k[a], rows_v[a], d * static_cast<int64_t>(sizeof(float)));
+      prefetch_row(rows_k[a], rows_v[a], d * static_cast<int64_t>(sizeof(TK)));
     for (int64_t i = 0; i < nq; ++i)
       if (p <= last[i])
         score_keys(q + i * d, rows_k.data() + p, std::min(KEYS_AT_ONCE, last[i] + 1 - p), d,

@@ -1,7 +1,8 @@
 """The precision a cache (contiguous or paged) stores keys and values in, apart from its layout.
 
 float32, bfloat16, float16, int8 or int4 (engine/kv/quant.py; 'paged-int8' names paged + int8). `auto` is the
-fastest, for the compiled attention on this machine, of the float precisions (they meet the quality bound of
+fastest (the smallest among those within 15% of it), for the compiled attention on this machine, of the float
+precisions (they meet the quality bound of
 mean KL <= 0.0005 nats against a float32 cache on real English, tests/test_kv_precision.py, and stay exact across
 layouts, batches and chunkings; int8 meets the bound but is not exact, int4 meets neither), measured once over a
 synthetic cache and remembered like the weights' choice. Without the compiled kernels, or on another
@@ -29,6 +30,7 @@ AUTO_CANDIDATES = ("float32", "bfloat16", "float16")
 CONTIGUOUS_GROUP = 32  # tokens per quantization group of a contiguous cache (a paged pool's group is its block)
 FLOAT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SCALE_BYTES = 2  # quantization scales and minimums are float16
+TIE = 1.15  # candidates within this factor of the fastest count as equally fast: the smaller one wins
 
 
 def bytes_per_element(precision: str, group_tokens: int, head_dim: int) -> float:
@@ -68,26 +70,35 @@ def resolve(kv_dtype: str | None, device: torch.device, activations: torch.dtype
     remembered = _read_choices(cache_dir)
     if key not in remembered:
         timings = measure_attention()
-        remembered[key] = {"choice": min(timings, key=timings.get), "attention_us": timings}
+        remembered[key] = {"choice": fastest_or_smallest(timings), "attention_us": timings}
         _write_choices(cache_dir, remembered)
     return remembered[key]["choice"]
 
 
-def measure_attention(tokens: int = 2048, heads: int = 4, head_dim: int = 64, layers: int = 8,
+def fastest_or_smallest(timings: dict[str, float]) -> str:
+    """As the weights' auto: among the candidates within TIE of the fastest, the one with the fewest bytes (a
+    local app's memory is the user's; a cache that reads fewer bytes is also the one that grows less)."""
+    best = min(timings.values())
+    near = [name for name in timings if timings[name] <= best * TIE]
+    return min(near, key=lambda name: (FLOAT_BYTES.get(name, 0), timings[name]))
+
+
+def measure_attention(tokens: int = 2048, heads: int = 4, head_dim: int = 64, stream_bytes: int = 128 * 2**20,
                       repeats: int = 5) -> dict[str, float]:
-    """Median microseconds of one decode step's attention over `layers` caches of `tokens` tokens per candidate
-    of `auto` (several layers, so the keys come from memory rather than from the processor's caches)."""
-    timings = {}
-    for name in AUTO_CANDIDATES:
-        run = _attention_runner(name, tokens, heads, head_dim, layers)
-        samples = []
-        for i in range(repeats + 1):
+    """Microseconds of one decode step's attention over synthetic caches of `tokens` tokens, per candidate of
+    `auto`: as many layers as make the float32 keys and values exceed the processor's caches (stream_bytes), so
+    they come from memory as a real model's do; the candidates take turns, and each keeps its fastest pass (other
+    work on a shared machine only ever adds time)."""
+    layers = max(1, -(-stream_bytes // (2 * heads * tokens * head_dim * 4)))
+    runners = {name: _attention_runner(name, tokens, heads, head_dim, layers) for name in AUTO_CANDIDATES}
+    samples: dict[str, list[float]] = {name: [] for name in runners}
+    for i in range(repeats + 1):
+        for name, run in runners.items():
             start = time.perf_counter()
             run()
             if i:
-                samples.append(time.perf_counter() - start)
-        timings[name] = round(sorted(samples)[len(samples) // 2] * 1e6, 1)
-    return timings
+                samples[name].append(time.perf_counter() - start)
+    return {name: round(min(times) * 1e6, 1) for name, times in samples.items()}
 
 
 def _attention_runner(name: str, tokens: int, heads: int, head_dim: int, layers: int):
