@@ -143,6 +143,49 @@ class _Cursor:
         return TensorInfo(name, shape, self.scalar("<I"), self.scalar("<Q"))
 
 
+@dataclass(frozen=True)
+class TensorData:
+    """One tensor's bytes in memory, with the fields of gguf-py's ReaderTensor that the weight readers use: data
+    shaped as gguf-py shapes it (float and integer types as their numpy type, block types as bytes per row)."""
+
+    name: str
+    tensor_type: object  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF order: the fastest dimension first
+    data: object  # np.ndarray
+
+
+def tensor_nbytes(t: TensorInfo) -> int:
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block_elements, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(t.type_id)]
+    return _elements(t) // block_elements * block_bytes
+
+
+def read_tensor(f, header: GGUFHeader, t: TensorInfo) -> TensorData:
+    """t's bytes read from the open file f into memory: a reader holds one tensor at a time, never the file's
+    mapped pages (a mapping's pages count in the process's resident memory once touched)."""
+    import numpy as np
+    from gguf.constants import GGMLQuantizationType as T
+    from gguf.quants import quant_shape_to_byte_shape
+
+    kind = T(t.type_id)
+    f.seek(header.data_start + t.offset)
+    raw = np.fromfile(f, dtype=np.uint8, count=tensor_nbytes(t))
+    numpy_shape = tuple(reversed(t.shape))
+    plain = {T.F16: np.float16, T.F32: np.float32, T.F64: np.float64, T.I8: np.int8, T.I16: np.int16,
+             T.I32: np.int32, T.I64: np.int64}
+    if kind in plain:
+        return TensorData(t.name, kind, t.shape, raw.view(plain[kind]).reshape(numpy_shape))
+    return TensorData(t.name, kind, t.shape, raw.reshape(quant_shape_to_byte_shape(numpy_shape, kind)))
+
+
+def _elements(t: TensorInfo) -> int:
+    n = 1
+    for d in t.shape:
+        n *= d
+    return n
+
+
 def _check_tensor_extents(header: GGUFHeader) -> None:
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -151,9 +194,7 @@ def _check_tensor_extents(header: GGUFHeader) -> None:
             block_elements, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(t.type_id)]
         except (ValueError, KeyError):
             raise GGUFHeaderError(f"tensor {t.name} has type {t.type_id}, which gguf does not know") from None
-        n = 1
-        for d in t.shape:
-            n *= d
+        n = _elements(t)
         if n % block_elements:
             raise GGUFHeaderError(f"tensor {t.name} has {n} elements, not whole blocks of {block_elements}")
         end = header.data_start + t.offset + n // block_elements * block_bytes

@@ -313,20 +313,19 @@ def gguf_model_config(path: Path) -> dict:
 
 
 def _rope_freq_factors(path: Path) -> list[float]:
-    from gguf import GGUFReader
+    from engine.gguf_header import read_gguf_header, read_tensor
 
-    tensor = next(t for t in GGUFReader(str(path)).tensors if t.name == "rope_freqs.weight")
+    header = read_gguf_header(path)
+    info = next(t for t in header.tensors if t.name == "rope_freqs.weight")
+    with open(path, "rb") as f:
+        tensor = read_tensor(f, header, info)
     return [float(x) for x in np.asarray(tensor.data, dtype=np.float32).ravel()]
 
 
 def convert_gguf(path: Path, target: Path, progress: Progress) -> None:
     """Once per file, into target/ (safetensors, config, tokenizer), atomically: a folder appears whole or not.
-    Q4_0 / Q4_1 / Q8_0 blocks keep their integers; other types are dequantized one tensor at a time."""
-    from safetensors.torch import save_file
-    from transformers import AutoTokenizer
-
-    from engine.tokenizer import check_and_save
-
+    The tokenizer first (transformers reads it from the GGUF, then is let go), then the weights tensor by tensor:
+    each is read, converted (engine/weights/gguf_blocks.py) and written before the next is read."""
     config = gguf_model_config(path)
     try:
         ModelConfig.from_hf_dict(config)
@@ -335,17 +334,12 @@ def convert_gguf(path: Path, target: Path, progress: Progress) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
     try:
-        progress(f"reading the tokenizer of {path.name}", 0.05)
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        progress(f"reading the weights of {path.name} (once; later starts use the cache)", 0.3)
+        progress(f"reading the tokenizer of {path.name}", 0.02)
+        _convert_tokenizer(path, staging)
         types: dict[str, str] = {}
-        state = read_gguf_weights(path, config, types)
-        progress("writing the cache", 0.8)
+        _write_weights(path, config, staging / "model.safetensors", types, progress)
         (staging / GGUF_TYPES_FILE).write_text(json.dumps(types, indent=1))
-        save_file(stored_tensors(state), str(staging / "model.safetensors"))
         (staging / "config.json").write_text(json.dumps(config, indent=2))
-        tokenizer.save_pretrained(str(staging))
-        check_and_save(staging, tokenizer)  # later starts read it without transformers
         _publish(staging, target)
         shutil.rmtree(target.parent / target.name.removesuffix(f"-{CACHE_LAYOUT}"), ignore_errors=True)  # float32 era
     except ModelLoadError:
@@ -371,34 +365,85 @@ def _publish(staging: Path, target: Path) -> None:
             raise
 
 
+def _convert_tokenizer(path: Path, folder: Path) -> None:
+    """tokenizer.json, its config and template, and kvscope-tokenizer.json (checked against transformers) into
+    folder; transformers' objects are dropped before the weights are read."""
+    import gc
+
+    from transformers import AutoTokenizer
+
+    from engine.tokenizer import check_and_save
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer.save_pretrained(str(folder))
+    check_and_save(folder, tokenizer)  # later starts read it without transformers
+    del tokenizer
+    gc.collect()  # the GGUF reader's parsed fields (some 100,000 numpy views for a 49k vocabulary) go now
+
+
+def _write_weights(path: Path, config: dict, out: Path, types: dict[str, str], progress: Progress) -> None:
+    """Every tensor the model uses, converted and written to the safetensors file `out` one at a time: the
+    process holds one tensor (in its file form and converted), never the model. Progress from 0.1 to 0.95 by
+    bytes read."""
+    from engine.weights.safetensors_stream import SafetensorsStream
+
+    stream = SafetensorsStream(out)
+    try:
+        for name, weight, done in iter_gguf_weights(path, config, types):
+            for key, tensor in stored_tensors({name: weight}).items():
+                stream.add(key, tensor)
+            progress(f"converting {path.name} (once; later starts read the cache)", 0.1 + 0.85 * done)
+        stream.finish()
+    finally:
+        stream.close()
+
+
 def read_gguf_weights(path: Path, config: dict,
                       types: dict[str, str] | None = None) -> dict[str, torch.Tensor | QuantizedWeight]:
-    """Every tensor the model uses, under Hugging Face names and conventions: q/k rows back in Hugging Face's
-    rotary order (llama, mistral), Gemma's norms without the 1 llama.cpp adds (Hugging Face applies 1 + w).
-    types, if given, receives each 2-D tensor's GGUF block type."""
-    from gguf import GGUFReader
+    """Every tensor the model uses, in one dict (iter_gguf_weights)."""
+    return {name: weight for name, weight, _ in iter_gguf_weights(path, config, types)}
 
-    from engine.weights.gguf_blocks import gguf_tensor, hf_name, take_rows, unpermute_rows
+
+def iter_gguf_weights(path: Path, config: dict, types: dict[str, str] | None = None):
+    """(Hugging Face name, weight, fraction of the file's tensor bytes read) for every tensor the model uses, one
+    at a time, read from the file into memory (not mapped): q/k rows back in Hugging Face's rotary order (llama,
+    mistral), Gemma's norms without the 1 llama.cpp adds (Hugging Face applies 1 + w). types, if given, receives
+    each 2-D tensor's GGUF block type."""
+    from engine.gguf_header import read_gguf_header, read_tensor, tensor_nbytes
 
     family = FAMILIES.get(config.get("model_type", "llama"), FAMILIES["llama"])
-    heads = {"q_proj": config["num_attention_heads"],
-             "k_proj": config.get("num_key_value_heads") or config["num_attention_heads"]} \
-        if family.permuted_qk else {}
-    state = {}
-    for tensor in GGUFReader(str(path)).tensors:
-        name = hf_name(tensor.name, family.sandwich_norms, family.fused_gguf_qkv)
-        if name is None:
-            continue
-        try:
-            weight = gguf_tensor(tensor)
-        except WeightFormatError as e:
-            raise ModelLoadError(f"{path.name}: {e}") from None
-        proj = name.split(".")[-2]
-        if proj in heads and name.endswith(".weight"):
-            weight = take_rows(weight, unpermute_rows(weight.shape[0], heads[proj]))
-        if family.norm_offset and name.endswith("norm.weight"):
-            weight = weight - family.norm_offset
-        state[name] = weight
-        if types is not None and len(tensor.shape) == 2:
-            types[name] = tensor.tensor_type.name
-    return state
+    header = read_gguf_header(path)
+    total, done = sum(tensor_nbytes(t) for t in header.tensors) or 1, 0
+    with open(path, "rb") as f:
+        for info in header.tensors:
+            done += tensor_nbytes(info)
+            name = hf_name_of(info.name, family)
+            if name is None:
+                continue
+            tensor = read_tensor(f, header, info)
+            yield name, _as_hugging_face_stores(path, tensor, name, family, config), done / total
+            if types is not None and len(info.shape) == 2:
+                types[name] = tensor.tensor_type.name
+
+
+def hf_name_of(gguf_name: str, family) -> str | None:
+    from engine.weights.gguf_blocks import hf_name
+
+    return hf_name(gguf_name, family.sandwich_norms, family.fused_gguf_qkv)
+
+
+def _as_hugging_face_stores(path: Path, tensor, name: str, family, config: dict) -> torch.Tensor | QuantizedWeight:
+    from engine.weights.gguf_blocks import gguf_tensor, take_rows, unpermute_rows
+
+    try:
+        weight = gguf_tensor(tensor)
+    except WeightFormatError as e:
+        raise ModelLoadError(f"{path.name}: {e}") from None
+    proj = name.split(".")[-2]
+    if family.permuted_qk and proj in ("q_proj", "k_proj") and name.endswith(".weight"):
+        heads = config["num_attention_heads"] if proj == "q_proj" else \
+            config.get("num_key_value_heads") or config["num_attention_heads"]
+        weight = take_rows(weight, unpermute_rows(weight.shape[0], heads))
+    if family.norm_offset and name.endswith("norm.weight"):
+        weight = weight - family.norm_offset
+    return weight

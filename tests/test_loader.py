@@ -178,11 +178,17 @@ def test_a_gguf_without_its_shape_keys_is_refused_before_any_conversion(tmp_path
 def test_a_conversion_that_fails_half_way_leaves_nothing_behind(tmp_path, private_cache, monkeypatch):
     path, _ = write_tiny_gguf(tmp_path / "tiny.gguf")
 
-    def disk_full(tensors, filename, *args, **kwargs):
-        Path(filename).write_bytes(b"partial")
-        raise OSError("No space left on device")
+    from engine.weights.safetensors_stream import SafetensorsStream
 
-    monkeypatch.setattr("safetensors.torch.save_file", disk_full)
+    add, written = SafetensorsStream.add, []
+
+    def disk_full(stream, name, tensor):  # the disk fills up after a few tensors
+        if len(written) == 3:
+            raise OSError("No space left on device")
+        written.append(name)
+        add(stream, name, tensor)
+
+    monkeypatch.setattr(SafetensorsStream, "add", disk_full)
     with pytest.raises(ModelLoadError, match="No space left on device"):
         loader.load_weights(str(path))
     assert model_folders(private_cache) == []  # neither the target nor the staging folder
