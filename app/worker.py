@@ -146,9 +146,21 @@ class EngineWorker(QObject):
         the history before it keeps its cache (prefix reuse), the rest is computed anew."""
         def events():
             keep_until(self.conv, index)
+            self._branch_off()
             return self.engine.generate(self.conv, text, params)
 
         self._run(request, events, self.conv.snapshot())
+
+    def _branch_off(self) -> None:
+        """The window keeps the version an edit replaces (app.branches). Where the cache has a prefix cache (the
+        paged pool), the edited conversation goes on in a new sequence and the old one's blocks go to the prefix
+        cache whole: the new one shares the common history's full blocks from it, and showing the old version
+        again finds all of its blocks there while they are not evicted. Elsewhere the sequence is cut back to the
+        common history and goes on."""
+        if getattr(self.engine.cache, "prefix_reuse", False):
+            old = self.conv
+            self.engine.forget(old)
+            self.conv = Conversation(old.system_prompt, old.messages, old.context_start)
 
     @Slot(str, int)
     def set_cache(self, strategy: str, block_size: int) -> None:

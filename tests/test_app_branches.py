@@ -210,15 +210,16 @@ def test_editing_a_message_keeps_the_old_version_and_the_switcher_shows_it_again
     assert window.chat.messages[0].branch_text == "2/2"
 
 
-def test_after_a_switch_the_next_turn_reuses_the_cached_history(qtbot, window):
-    send(qtbot, window, "First question")
+def test_after_a_switch_back_the_next_turn_finds_the_old_versions_blocks_in_the_prefix_cache(qtbot, window):
+    first = send(qtbot, window, "First question").done[0]
     run_turn(qtbot, window, lambda: window.edit_and_resend("Another first question", 0))
     assert window.branching.switch(0, 0)
     qtbot.waitUntil(lambda: worker_messages(window)[0][1] == "First question", timeout=60_000)
 
     turn = send(qtbot, window, "A follow-up")
 
-    assert turn.done[0].prefix_hit_tokens > 0  # the old version's blocks were still in the prefix cache
+    held = first.n_prompt_tokens + first.n_generated_tokens - 1  # the last token generated was never fed
+    assert turn.done[0].prefix_hit_tokens == held // 16 * 16  # every full block of the old version, reused
     assert [t for _, t in worker_messages(window)][:3] == ["First question", shown(window)[1][1], "A follow-up"]
     assert window.chat.messages[0].branch_text == "1/2"  # the follow-up belongs to version 1
 
