@@ -73,7 +73,8 @@ ZEPHYR_MULTILINE = """{% for message in messages %}
   {% endif %}
 {% endfor %}"""  # a template written over lines and indented: trim_blocks and lstrip_blocks decide its whitespace
 TEMPLATES = {"default (ChatML)": None, "gemma2 (no system role)": GEMMA2_TEMPLATE, "llama3": LLAMA3_TEMPLATE,
-             "qwen2.5": QWEN25_TEMPLATE, "phi3": PHI3_TEMPLATE, "llama3.2 dated": LLAMA32_DATED, "zephyr (multi-line)": ZEPHYR_MULTILINE}
+             "qwen2.5": QWEN25_TEMPLATE, "phi3": PHI3_TEMPLATE, "llama3.2 dated": LLAMA32_DATED,
+             "zephyr (multi-line)": ZEPHYR_MULTILINE}
 
 
 def transformers_tokenizer(folder: Path):
