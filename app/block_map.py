@@ -22,8 +22,7 @@ from PySide6.QtWidgets import QGridLayout, QLabel, QStackedWidget, QVBoxLayout, 
 from app.style import BLOCK_COLORS, BLOCK_LABELS, PLOT_BACKGROUND, TEXT_MUTED
 
 PAD_INDEX = len(BLOCK_COLORS)  # colour of the cells past the last block
-SAVED_CAPTION = ("Saved state: the pool as it was at the end of this {what}'s last turn. The live pool shows again "
-                 "when the next turn runs.")
+SAVED_CAPTION = "Saved state: the pool as this {what}'s last turn left it, until the next turn runs."
 NO_BLOCKS_TEXT = {
     "none": "keeps no KV cache at all: every step recomputes the whole context.",
     "contiguous": "reserves one contiguous buffer per sequence, sized for the whole context.",
@@ -129,7 +128,9 @@ class BlockMap(QWidget):
         layout.addWidget(QLabel("Block pool", self, objectName="sectionTitle"))
         self.summary = QLabel("No model loaded yet.", self, objectName="muted", wordWrap=True)
         layout.addWidget(self.summary)
-        self.caption = QLabel("", self, objectName="savedCaption", wordWrap=True)
+        self.caption = QLabel("", self, objectName="savedCaption", wordWrap=True,
+                              toolTip="Opened conversations (and versions shown again) show the pool as it was when "
+                                      "they were saved; the live pool shows again when the next turn runs")
         self.caption.hide()
         layout.addWidget(self.caption)
         self.saved = False  # showing a saved state (show_saved) until the next turn (show_live)

@@ -74,7 +74,7 @@ def test_reopening_shows_the_pool_as_it_was_until_the_next_turn(qtbot, window):
     assert live.args[0].block_states != saved.block_states  # the live pool came, and was not drawn:
     assert block_map.saved and block_map.grid.states == saved.block_states
     assert not block_map.caption.isHidden() and "Saved state" in block_map.caption.text()
-    assert "end of this conversation's last turn" in block_map.caption.text()
+    assert "this conversation's last turn left it, until the next turn runs" in block_map.caption.text()
     assert f"{saved.num_blocks_used:,} used" in block_map.summary.text()
     turn = send(qtbot, window, "One more")
     window._refresh_live()
