@@ -43,11 +43,13 @@ class CompareController:
     # --- actions ------------------------------------------------------------------------------------------------------
     def ask(self) -> None:
         w = self.window
-        dialog = CompareDialog(w.info, w.settings.block_size, w.prefix_reuse, self.view if self.view.isVisible()
-                               else w)
-        if dialog.exec():
+        from_view = self.view.isVisible()
+        dialog = CompareDialog(w.info, w.settings.block_size, w.prefix_reuse, self.view if from_view else w)
+        accepted = dialog.exec()
+        if not from_view:  # asked from the main window: its input has the focus again (the Compare window keeps its)
+            w.restore_focus()
+        if accepted:
             self.run(dialog.configurations())
-        w.chat.input.setFocus()
 
     def run(self, configs) -> bool:
         w = self.window

@@ -260,6 +260,7 @@ class Conversations:
         entry = next((e for e in self.store.entries() if e.id == conversation_id), None)
         title, ok = QInputDialog.getText(self.window, "Rename conversation", "Title:",
                                          text=entry.title if entry else "")
+        self.window.restore_focus()
         if ok:
             self.rename(conversation_id, title)
 
@@ -278,6 +279,7 @@ class Conversations:
         entry = next((e for e in self.store.entries() if e.id == conversation_id), None)
         answer = QMessageBox.question(self.window, "Delete conversation",
                                       f"Delete “{entry.title if entry else conversation_id}”? Its file is removed.")
+        self.window.restore_focus()
         if answer == QMessageBox.StandardButton.Yes:
             self.delete(conversation_id)
 

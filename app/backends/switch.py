@@ -70,7 +70,9 @@ class Backends:
     def edit(self) -> None:
         s = self.window.settings
         dialog = BackendDialog(BackendChoice(s.backend, s.server_url, s.server_api_key, s.server_model), self.window)
-        if dialog.exec():
+        accepted = dialog.exec()
+        self.window.restore_focus()
+        if accepted:
             self.apply(dialog.choice())
 
     def apply(self, choice: BackendChoice) -> None:
