@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <utility>
@@ -24,6 +25,9 @@
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
 #define KVSCOPE_AVX2 1
+#define KVSCOPE_INT4_DOTS true  // int4 KV attention by integer dot products (else through floats)
+#else
+#define KVSCOPE_INT4_DOTS false
 #endif
 
 namespace {
@@ -687,9 +691,10 @@ struct QuantRows {
   int64_t first = 0, full = 0, ring = 1;  // ring: the window's rows (position p in row p % ring)
   int64_t sink = 0;                     // positions below it are read from the sink rows
   const float* sink_rows = nullptr;     // [sink, D]
-  std::vector<const uint8_t*> code;    // per quantized position from `first`: its codes
-  std::vector<const uint16_t*> param;  // keys: the block's [D] scales (int4: then [D] minimums); values: the
-                                       // token's scale (int4: then its minimum)
+  const uint8_t* const* code = nullptr;    // per quantized position from `first`: its codes
+  const uint16_t* const* param = nullptr;  // keys: the block's [D] scales (int4: then [D] minimums); values: the
+                                           // token's scale (int4: then its minimum)
+  int64_t known = 0;  // code and param cover [first, known): the tile's codes and the next ones, to prefetch
   const float* window = nullptr;       // [ring, D] rows
 };
 
@@ -750,39 +755,435 @@ inline float scale_query(const float* q, const uint16_t* param, int64_t d, float
 #endif
 }
 
+#ifdef KVSCOPE_AVX2
+// ---- int4 keys by integer dot products: a block's per-channel key scales fold into the query, qs = q * scale,
+// which goes onto an int16 grid per block, qs ~ dq * qi (15 bits of its largest channel, as the weight kernels'
+// two-part activations); its dot with a key's codes (0..15, widened to int16 once for every query vector) is exact
+// in int32 (madd: at most D * 15 * 32767), so score = dq * (codes . qi) + q . min.
+constexpr int64_t CODE_LANES = 32;  // channels per register of unpacked codes
+
+inline int64_t padded_channels(int64_t d) { return (d + CODE_LANES - 1) / CODE_LANES * CODE_LANES; }
+
+inline __m256i load256(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// n rows of int4 codes (D/2 bytes) -> their codes 0..15, one a byte in channel order, rows of dp bytes (0 after d)
+inline void unpack_int4(const uint8_t* const* rows, int64_t n, int64_t d, int64_t dp, uint8_t* out) {
+  int64_t half = d / 2;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int64_t p = 0; p < n; ++p) {
+    uint8_t* o = out + p * dp;
+    if (half % CODE_LANES) {
+      for (int64_t j = 0; j < half; ++j) o[j] = rows[p][j] & 0x0F, o[half + j] = rows[p][j] >> 4;
+      std::fill(o + d, o + dp, uint8_t{0});
+      continue;
+    }
+    for (int64_t j = 0; j < half; j += CODE_LANES) {
+      __m256i b = load256(rows[p] + j);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j), _mm256_and_si256(b, low));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + half + j), _mm256_and_si256(_mm256_srli_epi16(b, 4), low));
+    }
+  }
+}
+
+// n rows of unpacked codes (dp bytes each) -> int16, rows of dp
+inline void widen_codes(const uint8_t* codes, int64_t n, int64_t dp, int16_t* out) {
+  for (int64_t i = 0; i < n * dp; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i))));
+}
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+// a query against one block of int4 keys: qs = q * scale per channel as int16, qs ~ dq * qi (zeros from d to dp);
+// bias = q . min; returns dq
+inline float query_int16(const float* q, const uint16_t* param, int64_t d, int64_t dp, float* qs, int16_t* qi,
+                         float* bias) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 amax = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+  for (int64_t j = 0; j < d; j += 8) {
+    __m256 qj = _mm256_loadu_ps(q + j), x = _mm256_mul_ps(qj, halves8(param + j));
+    _mm256_storeu_ps(qs + j, x);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, x));
+    b = _mm256_fmadd_ps(qj, halves8(param + d + j), b);
+  }
+  *bias = hsum(b);
+  float top = hmax(amax), inv = top > 0.f ? 32767.f / top : 0.f;
+  const __m256 vinv = _mm256_set1_ps(inv);
+  for (int64_t j = 0; j < d; j += 16) {  // packs keeps lanes: 8 of x[j..] then 8 of x[j + 8..] per pair of lanes
+    __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(qs + j), vinv));
+    __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(qs + j + 8), vinv));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qi + j), _mm256_permute4x64_epi64(_mm256_packs_epi32(a, c), 0xD8));
+  }
+  std::fill(qi + d, qi + dp, int16_t{0});
+  return top / 32767.f;
+}
+
+// scores of an int16 query against n rows of int16 codes (C registers of 16 each): out[p] = dq * (codes . qi)
+// + bias, four rows at a time (a last group reads its last row again in the missing places)
+template <int C>
+void score_codes_fixed(const int16_t* codes, int64_t n, const int16_t* qi, float dq, float bias, float* out) {
+  __m256i qv[C];
+  for (int c = 0; c < C; ++c) qv[c] = load256(qi + 16 * c);
+  const __m128 vdq = _mm_set1_ps(dq), vbias = _mm_set1_ps(bias);
+  for (int64_t p = 0; p < n; p += 4) {
+    __m256i s[4];
+    for (int r = 0; r < 4; ++r) {
+      const int16_t* row = codes + std::min(p + r, n - 1) * C * 16;
+      s[r] = _mm256_madd_epi16(load256(row), qv[0]);
+      for (int c = 1; c < C; ++c) s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(load256(row + 16 * c), qv[c]));
+    }
+    __m256i sums = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+    __m128i four = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+    alignas(16) float f[4];
+    _mm_store_ps(f, _mm_fmadd_ps(_mm_cvtepi32_ps(four), vdq, vbias));
+    for (int64_t r = 0; r < 4 && p + r < n; ++r) out[p + r] = f[r];
+  }
+}
+
+inline void score_codes(const int16_t* codes, int64_t n, int64_t dp, const int16_t* qi, float dq, float bias,
+                        float* out) {
+  switch (dp / 16) {  // dp is a multiple of 32
+    case 2: return score_codes_fixed<2>(codes, n, qi, dq, bias, out);
+    case 4: return score_codes_fixed<4>(codes, n, qi, dq, bias, out);
+    case 6: return score_codes_fixed<6>(codes, n, qi, dq, bias, out);
+    case 8: return score_codes_fixed<8>(codes, n, qi, dq, bias, out);
+    case 10: return score_codes_fixed<10>(codes, n, qi, dq, bias, out);
+    case 12: return score_codes_fixed<12>(codes, n, qi, dq, bias, out);
+    case 14: return score_codes_fixed<14>(codes, n, qi, dq, bias, out);
+    case 16: return score_codes_fixed<16>(codes, n, qi, dq, bias, out);
+    default: TORCH_CHECK(false, "int4 keys: head_dim up to 256");
+  }
+}
+
+// ---- int4 values by integer products: each vector's weights w_p = e_p * scale_p (its softmax weight times the
+// token's value scale) go onto one int16 grid per tile, w ~ dw * w16 (dw = max w / 32767: 15 bits of the largest);
+// the codes of two tokens are interleaved as int16 pairs per channel, so one madd gives w16_p c_p + w16_p+1 c_p+1,
+// and a tile's sums are exact in int32 (at most 128 pairs * 2 * 32767 * 15 < 2^31): out += dw * sums.
+constexpr int64_t PAIRS_AT_ONCE = 16;  // token pairs interleaved at a time, then read by every vector from L1
+
+// unpacked codes (dp bytes a row) of tokens a and b -> per 32 channels four registers of int16 pairs (a_j, b_j):
+// channels {0-3, 16-19}, {4-7, 20-23}, {8-11, 24-27}, {12-15, 28-31} of the group (the unpack's lane order)
+inline void interleave_pair(const uint8_t* a, const uint8_t* b, int64_t dp, __m256i* out) {
+  const __m256i zero = _mm256_setzero_si256();
+  for (int64_t j = 0; j < dp; j += CODE_LANES, out += 4) {
+    __m256i ra = load256(a + j), rb = load256(b + j);
+    __m256i t0 = _mm256_unpacklo_epi8(ra, rb), t1 = _mm256_unpackhi_epi8(ra, rb);
+    out[0] = _mm256_unpacklo_epi8(t0, zero);
+    out[1] = _mm256_unpackhi_epi8(t0, zero);
+    out[2] = _mm256_unpacklo_epi8(t1, zero);
+    out[3] = _mm256_unpackhi_epi8(t1, zero);
+  }
+}
+
+// acc (R registers of int32 in interleave_pair's order) += the n pairs' codes times their weights (w16[2r], w16[2r+1])
+template <int R>
+inline void madd_pairs(const __m256i* pairs, const int16_t* w16, int64_t n, __m256i* acc) {
+  __m256i a[R];
+  for (int k = 0; k < R; ++k) a[k] = acc[k];
+  for (int64_t r = 0; r < n; ++r) {
+    int32_t two;
+    std::memcpy(&two, w16 + 2 * r, sizeof two);
+    __m256i w = _mm256_set1_epi32(two);
+    for (int k = 0; k < R; ++k) a[k] = _mm256_add_epi32(a[k], _mm256_madd_epi16(pairs[r * R + k], w));
+  }
+  for (int k = 0; k < R; ++k) acc[k] = a[k];
+}
+
+inline void madd_pairs_any(const __m256i* pairs, const int16_t* w16, int64_t n, int64_t regs, __m256i* acc) {
+  switch (regs) {
+    case 4: return madd_pairs<4>(pairs, w16, n, acc);
+    case 8: return madd_pairs<8>(pairs, w16, n, acc);
+    case 16: return madd_pairs<16>(pairs, w16, n, acc);
+    default: return madd_pairs<32>(pairs, w16, n, acc);
+  }
+}
+
+// int32 sums in interleave_pair's order -> out[0..d) += dw * sums + bias
+inline void add_sums(const __m256i* acc, int64_t d, float dw, float bias, float* out) {
+  const __m256 vdw = _mm256_set1_ps(dw), vbias = _mm256_set1_ps(bias);
+  for (int64_t j = 0; j < d; j += CODE_LANES, acc += 4) {
+    __m256i ch[4] = {_mm256_permute2x128_si256(acc[0], acc[1], 0x20), _mm256_permute2x128_si256(acc[2], acc[3], 0x20),
+                     _mm256_permute2x128_si256(acc[0], acc[1], 0x31), _mm256_permute2x128_si256(acc[2], acc[3], 0x31)};
+    for (int64_t c = 0; c < 4 && j + 8 * c < d; ++c) {
+      __m256 o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ch[c]), vdw, _mm256_loadu_ps(out + j + 8 * c));
+      _mm256_storeu_ps(out + j + 8 * c, _mm256_add_ps(o, vbias));
+    }
+  }
+}
+
+// a vector's weights w[0..n) (>= 0; n even) -> int16 on one grid, w ~ dw * w16; returns dw
+inline float weights_int16(const float* w, int64_t n, int16_t* w16) {
+  __m256 top = _mm256_setzero_ps();
+  int64_t p = 0;
+  for (; p + 8 <= n; p += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(w + p));
+  float wmax = hmax(top);
+  for (int64_t r = p; r < n; ++r) wmax = std::max(wmax, w[r]);
+  float inv = wmax > 0.f ? 32767.f / wmax : 0.f;
+  const __m256 vinv = _mm256_set1_ps(inv);
+  for (p = 0; p + 8 <= n; p += 8) {
+    __m128i i32lo, i32hi;
+    __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(w + p), vinv));
+    i32lo = _mm256_castsi256_si128(v), i32hi = _mm256_extracti128_si256(v, 1);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(w16 + p), _mm_packs_epi32(i32lo, i32hi));
+  }
+  for (; p < n; ++p) w16[p] = static_cast<int16_t>(std::nearbyint(w[p] * inv));
+  return wmax / 32767.f;
+}
+
+// every active vector's values over the codes of [qstart, qstart + n): weights (float, [active][n_even], zeros past
+// a vector's last key) -> part_i[2..] += dw_i * (integer sums) + bias_i
+inline void weigh_int4_values(const uint8_t* const* rows, int64_t n, int64_t d, const std::vector<int64_t>& active,
+                              const float* weights, const float* bias, float* part, int64_t stride) {
+  int64_t dp = padded_channels(d), regs = dp / 8, even = (n + 1) / 2 * 2, nv = active.size();
+  thread_local std::vector<int16_t> w16;
+  thread_local std::vector<float> dw;
+  thread_local std::vector<uint8_t> unpacked;
+  thread_local std::vector<__m256i> pairs, acc;
+  w16.resize(nv * even);
+  dw.resize(nv);
+  for (int64_t v = 0; v < nv; ++v) dw[v] = weights_int16(weights + v * even, even, w16.data() + v * even);
+  acc.assign(nv * regs, _mm256_setzero_si256());
+  unpacked.resize(2 * PAIRS_AT_ONCE * dp);
+  pairs.resize(PAIRS_AT_ONCE * regs);
+  for (int64_t p0 = 0; p0 < n; p0 += 2 * PAIRS_AT_ONCE) {
+    int64_t m = std::min(2 * PAIRS_AT_ONCE, n - p0), np = (m + 1) / 2;
+    unpack_int4(rows + p0, m, d, dp, unpacked.data());
+    if (m % 2) std::fill_n(unpacked.data() + m * dp, dp, uint8_t{0});  // a last token alone: paired with zeros
+    for (int64_t r = 0; r < np; ++r)
+      interleave_pair(unpacked.data() + 2 * r * dp, unpacked.data() + (2 * r + 1) * dp, dp, pairs.data() + r * regs);
+    for (int64_t v = 0; v < nv; ++v)
+      madd_pairs_any(pairs.data(), w16.data() + v * even + p0, np, regs, acc.data() + v * regs);
+  }
+  for (int64_t v = 0; v < nv; ++v) add_sums(acc.data() + v * regs, d, dw[v], bias[v], part + active[v] * stride + 2);
+}
+
+// ---- values: the codes of a row become floats once, in registers, for NV query vectors at once.
+// out_v[j0..j0+8S) += sum over p < n of w_v[p] * code_p[j] in position order per lane (weigh_values' sums)
+// channels j..j+7 of a row of codes as floats, where (byte, shift) = code_place<BITS>(j, half): no branch per row
+template <int BITS>
+inline std::pair<int64_t, int> code_place(int64_t j, int64_t half) {
+  if constexpr (BITS == 8) return {j, 0};
+  return j < half ? std::pair<int64_t, int>{j, 0} : std::pair<int64_t, int>{j - half, 4};
+}
+
+template <int BITS>
+inline __m256 codes8_at(const uint8_t* row, int64_t byte, __m128i shift) {
+  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + byte));
+  if constexpr (BITS == 8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  b = _mm_and_si128(_mm_srl_epi16(b, shift), _mm_set1_epi8(0x0F));
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+}
+
+template <int BITS, int NV, int S>
+inline void weigh_codes_chunk(const float* const* w, const uint8_t* const* rows, int64_t n, int64_t half, int64_t j0,
+                              float* const* out) {
+  __m256 acc[NV][S];
+  int64_t byte[S];
+  __m128i shift[S];
+  for (int s = 0; s < S; ++s) {
+    auto [at, bits] = code_place<BITS>(j0 + 8 * s, half);
+    byte[s] = at, shift[s] = _mm_cvtsi32_si128(bits);
+    for (int v = 0; v < NV; ++v) acc[v][s] = _mm256_loadu_ps(out[v] + j0 + 8 * s);
+  }
+  for (int64_t p = 0; p < n; ++p) {
+    __m256 c[S];
+    for (int s = 0; s < S; ++s) c[s] = codes8_at<BITS>(rows[p], byte[s], shift[s]);
+    for (int v = 0; v < NV; ++v) {
+      __m256 wv = _mm256_set1_ps(w[v][p]);
+      for (int s = 0; s < S; ++s) acc[v][s] = _mm256_fmadd_ps(wv, c[s], acc[v][s]);
+    }
+  }
+  for (int v = 0; v < NV; ++v)
+    for (int s = 0; s < S; ++s) _mm256_storeu_ps(out[v] + j0 + 8 * s, acc[v][s]);
+}
+
+template <int BITS, int NV>
+void weigh_codes(const float* const* w, const uint8_t* const* rows, int64_t n, int64_t d, float* const* out) {
+  int64_t j0 = 0, half = d / 2;
+  for (; j0 + 32 <= d; j0 += 32) weigh_codes_chunk<BITS, NV, 4>(w, rows, n, half, j0, out);
+  for (; j0 < d; j0 += 8) weigh_codes_chunk<BITS, NV, 1>(w, rows, n, half, j0, out);
+}
+#endif
+
+// Reading a tile's codes from memory costs latency more than bandwidth (a row of int4 codes is 32 bytes for a
+// head of 64): while a block's keys are scored, the codes and scales of the positions PREFETCH_AHEAD further on
+// (the next tile's too) are fetched, the keys' into L1 and the values' (read after the softmax) into L2.
+constexpr int64_t PREFETCH_AHEAD = 64;
+
+inline void prefetch_span(const void* from, const void* to, int hint) {
+#ifdef KVSCOPE_AVX2
+  auto* p = static_cast<const char*>(from);
+  for (; p < static_cast<const char*>(to); p += 64)
+    hint == _MM_HINT_T0 ? _mm_prefetch(p, _MM_HINT_T0) : _mm_prefetch(p, _MM_HINT_T1);
+#endif
+}
+
+// the codes and scales of positions [a, b), a block (one set of key scales, adjacent rows of `bytes`) at a time
+template <int BITS>
+inline void prefetch_codes(const QuantRows<BITS>& keys, const QuantRows<BITS>& values, int64_t a, int64_t b,
+                           int64_t bytes, int64_t d) {
+  b = std::min(b, keys.known);
+  for (int64_t s = a, e = a; s < b; s = e) {
+    const uint16_t* prm = keys.param[s - keys.first];
+    while (e < b && keys.param[e - keys.first] == prm) ++e;
+    int64_t n = e - s;
+    prefetch_span(keys.code[s - keys.first], keys.code[s - keys.first] + n * bytes, _MM_HINT_T0);
+    prefetch_span(prm, prm + 2 * d, _MM_HINT_T0);
+    prefetch_span(values.code[s - values.first], values.code[s - values.first] + n * bytes, _MM_HINT_T1);
+    prefetch_span(values.param[s - values.first], values.param[e - 1 - values.first] + 1, _MM_HINT_T1);
+  }
+}
+
+// the scores of every vector against one block of codes [s, e) (one set of key scales `prm`), from the block's
+// codes widened to int16 once
+inline void score_int4_block(const float* q, const uint8_t* const* code, const uint16_t* prm, const int64_t* last,
+                             int64_t nq, int64_t d, int64_t s, int64_t e, int64_t k0, float* scores, int64_t padded) {
+#ifdef KVSCOPE_AVX2
+  thread_local std::vector<float> qs;
+  thread_local std::vector<uint8_t> unpacked;
+  thread_local std::vector<int16_t> wide, qi;
+  int64_t dp = padded_channels(d);
+  qs.resize(dp);
+  unpacked.resize((e - s) * dp);
+  wide.resize((e - s) * dp);
+  qi.resize(dp);
+  unpack_int4(code, e - s, d, dp, unpacked.data());
+  widen_codes(unpacked.data(), e - s, dp, wide.data());
+  for (int64_t i = 0; i < nq; ++i) {
+    if (s - k0 > last[i]) continue;
+    float bias, dq = query_int16(q + i * d, prm, d, dp, qs.data(), qi.data(), &bias);
+    score_codes(wide.data(), e - s, dp, qi.data(), dq, bias, scores + i * padded + s - k0);
+  }
+#endif
+}
+
+// as score_int4_block, from the block's codes turned into floats once (int8; int4 without AVX2)
+template <int BITS>
+void score_block_floats(const float* q, const uint8_t* const* code, const uint16_t* prm, const int64_t* last,
+                        int64_t nq, int64_t d, int64_t s, int64_t e, int64_t k0, float* scores, int64_t padded) {
+  thread_local std::vector<float> qs, raw;
+  thread_local std::vector<const float*> raw_rows;
+  qs.resize(d);
+  raw.resize((e - s) * d);
+  raw_rows.resize(e - s);
+  codes_to_floats<BITS>(code, e - s, d, raw.data());
+  for (int64_t p = 0; p < e - s; ++p) raw_rows[p] = raw.data() + p * d;
+  for (int64_t i = 0; i < nq; ++i) {
+    if (s - k0 > last[i]) continue;
+    float bias = scale_query<BITS>(q + i * d, prm, d, qs.data());
+    int64_t m = std::min(e, k0 + last[i] + 1) - s;
+    float* out = scores + i * padded + s - k0;
+    score_keys(qs.data(), raw_rows.data(), m, d, out);
+    for (int64_t p = 0; p < m; ++p) out[p] += bias;
+  }
+}
+
+// the scores of every vector against the codes of [qstart, qend), block by block (one set of key scales each)
+template <int BITS>
+void score_quantized(const float* q, const QuantRows<BITS>& keys, const QuantRows<BITS>& values, const int64_t* last,
+                     int64_t nq, int64_t d, int64_t k0, int64_t qstart, int64_t qend, float* scores, int64_t padded) {
+  constexpr bool INTEGER = BITS == 4 && KVSCOPE_INT4_DOTS;
+  for (int64_t s = qstart, e = qstart; s < qend; s = e) {
+    const uint16_t* prm = keys.param[s - keys.first];
+    while (e < qend && keys.param[e - keys.first] == prm) ++e;
+    if (s == qstart) prefetch_codes(keys, values, s, s + PREFETCH_AHEAD, d * BITS / 8, d);
+    prefetch_codes(keys, values, s + PREFETCH_AHEAD, e + PREFETCH_AHEAD, d * BITS / 8, d);
+    const uint8_t* const* code = keys.code + (s - keys.first);
+    if constexpr (INTEGER) score_int4_block(q, code, prm, last, nq, d, s, e, k0, scores, padded);
+    else score_block_floats<BITS>(q, code, prm, last, nq, d, s, e, k0, scores, padded);
+  }
+}
+
+// w[p] = e[p] * scale[p] for p < m, 0 up to `even`; returns the bias sum of e[p] * minimum[p] (8 lanes, then theirs)
+inline float fold_weights(const float* e, const float* scale, const float* minimum, int64_t m, int64_t even, float* w) {
+  int64_t p = 0;
+  float tail = 0.f;
+#ifdef KVSCOPE_AVX2
+  __m256 b = _mm256_setzero_ps();
+  for (; p + 8 <= m; p += 8) {
+    __m256 ev = _mm256_loadu_ps(e + p);
+    _mm256_storeu_ps(w + p, _mm256_mul_ps(ev, _mm256_loadu_ps(scale + p)));
+    b = _mm256_fmadd_ps(ev, _mm256_loadu_ps(minimum + p), b);
+  }
+  tail = hsum(b);
+#endif
+  for (; p < m; ++p) w[p] = e[p] * scale[p], tail += e[p] * minimum[p];
+  std::fill(w + m, w + even, 0.f);
+  return tail;
+}
+
+// the values of [qstart, qend) weighted by the softmax weights e (a token's scale folded into its weight, its
+// minimum into a bias per vector): part_i[2..] += sum over p of e_i[p] * (scale_p * code_p + min_p)
+template <int BITS>
+void weigh_quantized(const float* scores, int64_t padded, const QuantRows<BITS>& values, const int64_t* last,
+                     int64_t nq, int64_t d, int64_t k0, int64_t qstart, int64_t qend, float* part) {
+  int64_t n = qend - qstart, even = (n + 1) / 2 * 2, stride = d + 2;
+  thread_local std::vector<float> scale, minimum, weights, bias;
+  thread_local std::vector<int64_t> active;
+  scale.assign(even, 0.f);
+  minimum.assign(even, 0.f);
+  for (int64_t p = 0; p < n; ++p) {
+    const uint16_t* prm = values.param[qstart + p - values.first];
+    scale[p] = half_to_float(prm[0]);
+    if constexpr (BITS == 4) minimum[p] = half_to_float(prm[1]);
+  }
+  weights.resize(nq * even);
+  bias.resize(nq);
+  active.clear();
+  int64_t upto = 0;  // positions any vector weighs, from qstart
+  for (int64_t i = 0; i < nq; ++i) {
+    if (qstart - k0 > last[i]) continue;
+    int64_t m = std::min(n, k0 + last[i] + 1 - qstart);
+    float* w = weights.data() + active.size() * even;
+    bias[active.size()] = fold_weights(scores + i * padded + qstart - k0, scale.data(), minimum.data(), m, even, w);
+    active.push_back(i);
+    upto = std::max(upto, m);
+  }
+  const uint8_t* const* rows = values.code + (qstart - values.first);
+#ifdef KVSCOPE_AVX2
+  if constexpr (BITS == 4 && KVSCOPE_INT4_DOTS)
+    return weigh_int4_values(rows, upto, d, active, weights.data(), bias.data(), part, stride);
+  for (size_t a = 0; a < active.size(); a += 3) {  // three vectors at a time: 12 accumulators of 8 lanes
+    const float* w[3];
+    float* out[3];
+    int64_t nv = std::min<int64_t>(3, active.size() - a);
+    for (int64_t v = 0; v < nv; ++v) w[v] = weights.data() + (a + v) * even, out[v] = part + active[a + v] * stride + 2;
+    if (nv == 3) weigh_codes<BITS, 3>(w, rows, upto, d, out);
+    if (nv == 2) weigh_codes<BITS, 2>(w, rows, upto, d, out);
+    if (nv == 1) weigh_codes<BITS, 1>(w, rows, upto, d, out);
+  }
+#else
+  thread_local std::vector<float> raw;
+  thread_local std::vector<const float*> raw_rows;
+  raw.resize(upto * d);
+  raw_rows.resize(upto);
+  codes_to_floats<BITS>(rows, upto, d, raw.data());
+  for (int64_t r = 0; r < upto; ++r) raw_rows[r] = raw.data() + r * d;
+  for (size_t a = 0; a < active.size(); ++a) {
+    float* out = part + active[a] * stride + 2;
+    weigh_values(weights.data() + a * even, raw_rows.data(), upto, out, d);
+    for (int64_t j = 0; j < d; ++j) out[j] += bias[a];
+  }
+#endif
+}
+
 // as the float attend_tile: the sink's rows, the codes of [sink, full) block by block, then the window's rows
 template <int BITS>
 void attend_tile(const float* q, float* part, const QuantRows<BITS>& keys, const QuantRows<BITS>& values,
                  const int32_t* pos, int64_t rows, int64_t group, int64_t d, int64_t k0, int64_t k1) {
-  constexpr int64_t VALUES_AT_ONCE = 32;
   int64_t n = k1 - k0, padded = (n + 7) / 8 * 8, nq = rows * group, stride = d + 2;
   int64_t qstart = std::clamp(keys.sink, k0, k1), qend = std::clamp(keys.full, qstart, k1);  // codes: [qstart, qend)
-  thread_local std::vector<float> scores, qs;
+  thread_local std::vector<float> scores;
   thread_local std::vector<const float*> window_k, window_v;
+  thread_local std::vector<int64_t> last;  // each vector's last key in this tile, from k0
   scores.assign(nq * padded, 0.f);
-  qs.resize(d);
-  std::vector<int64_t> last(nq);  // each vector's last key in this tile, from k0
+  last.resize(nq);
   for (int64_t i = 0; i < nq; ++i) last[i] = std::min<int64_t>(pos[i / group], k1 - 1) - k0;
-  thread_local std::vector<float> raw;  // a block's codes as floats, shared by the tile's query vectors
-  thread_local std::vector<const float*> raw_rows;
-  for (int64_t s = qstart; s < qend;) {  // one block of keys (one set of scales) at a time
-    const uint16_t* prm = keys.param[s - keys.first];
-    int64_t e = s + 1;
-    while (e < qend && keys.param[e - keys.first] == prm) ++e;
-    raw.resize((e - s) * d);
-    raw_rows.resize(e - s);
-    codes_to_floats<BITS>(keys.code.data() + (s - keys.first), e - s, d, raw.data());
-    for (int64_t p = 0; p < e - s; ++p) raw_rows[p] = raw.data() + p * d;
-    for (int64_t i = 0; i < nq; ++i) {
-      if (s - k0 > last[i]) continue;
-      float bias = scale_query<BITS>(q + i * d, prm, d, qs.data());
-      int64_t m = std::min(e, k0 + last[i] + 1) - s;
-      float* out = scores.data() + i * padded + s - k0;
-      score_keys(qs.data(), raw_rows.data(), m, d, out);
-      for (int64_t p = 0; p < m; ++p) out[p] += bias;
-    }
-    s = e;
-  }
+  score_quantized<BITS>(q, keys, values, last.data(), nq, d, k0, qstart, qend, scores.data(), padded);
   // full-precision rows: the sink's [k0, qstart), the window's [qend, k1), each scored in position order
   window_k.resize(n);
   window_v.resize(n);
@@ -804,35 +1205,13 @@ void attend_tile(const float* q, float* part, const QuantRows<BITS>& keys, const
     if (qstart > k0 && 0 <= last[i])
       weigh_values(scores.data() + i * padded, window_v.data(), std::min(qstart, k0 + last[i] + 1) - k0,
                    part + i * stride + 2, d);
-  thread_local std::vector<float> weights;
-  for (int64_t p = qstart; p < qend; p += VALUES_AT_ONCE) {  // values: a token's scale folds into its weight
-    int64_t chunk = std::min(VALUES_AT_ONCE, qend - p);
-    raw.resize(chunk * d);
-    raw_rows.resize(chunk);
-    weights.resize(chunk);
-    codes_to_floats<BITS>(values.code.data() + (p - values.first), chunk, d, raw.data());
-    for (int64_t r = 0; r < chunk; ++r) raw_rows[r] = raw.data() + r * d;
-    const uint16_t* const* prm = values.param.data() + (p - values.first);
-    for (int64_t i = 0; i < nq; ++i) {
-      if (p - k0 > last[i]) continue;
-      int64_t m = std::min(chunk, k0 + last[i] + 1 - p);
-      const float* e = scores.data() + i * padded + p - k0;
-      float bias = 0.f;
-      for (int64_t r = 0; r < m; ++r) {
-        weights[r] = e[r] * half_to_float(prm[r][0]);
-        if constexpr (BITS == 4) bias += e[r] * half_to_float(prm[r][1]);
-      }
-      float* out = part + i * stride + 2;
-      weigh_values(weights.data(), raw_rows.data(), m, out, d);
-      if constexpr (BITS == 4)
-        for (int64_t j = 0; j < d; ++j) out[j] += bias;
-    }
-  }
+  if (qstart < qend) weigh_quantized<BITS>(scores.data(), padded, values, last.data(), nq, d, k0, qstart, qend, part);
   for (int64_t i = 0; i < nq; ++i)
     if (qend < k1 && qend - k0 <= last[i])
       weigh_values(scores.data() + i * padded + qend - k0, window_v.data() + (qend - k0), k0 + last[i] + 1 - qend,
                    part + i * stride + 2, d);
 }
+
 
 // the partials of one query vector over its tiles, in tile order -> out [D]
 inline void combine_tiles(const float* parts, int64_t tiles, int64_t tile_stride, float* out, int64_t d) {
@@ -858,6 +1237,14 @@ struct StepMap {  // where a step's keys are: see `attention` below
     int64_t last = -1;
     for (int64_t r = 0; r < t; ++r) last = std::max<int64_t>(last, q_pos[b * t + r]);
     return last + 1;
+  }
+  // calls visit(p0, p1, store, slot of p0) for the runs [p0, p1) of positions k0..k1-1 of sequence b, one a block
+  template <typename Visit>
+  void each_block(int64_t b, int64_t k0, int64_t k1, Visit visit) const {
+    for (int64_t p0 = k0 / block_size * block_size; p0 < k1; p0 += block_size) {
+      int64_t blk = table[b * width + p0 / block_size], first = std::max(p0, k0);
+      visit(first, std::min(k1, p0 + block_size), block_store[blk], block_start[blk] + first - p0);
+    }
   }
   // calls visit(p, store, slot) for positions k0..k1-1 of sequence b, block by block
   template <typename Visit>
@@ -908,7 +1295,7 @@ at::Tensor run_attention(const at::Tensor& q, const StepMap& map, MakeRows make_
   float scale = 1.f / std::sqrt(static_cast<float>(d));
   constexpr int64_t ROWS = 16;
   int64_t row_groups = (t + ROWS - 1) / ROWS, hkv = make_rows.num_kv_heads(), group = hq / hkv;
-  int64_t vectors = ROWS * group, stride = d + 2;
+  int64_t vectors = std::min(ROWS, t) * group, stride = d + 2;  // query vectors of a task at most
   // per (sequence, row group): its number of key tiles and where its partials start
   struct Work { int64_t b, h, r0, rows, tile, part; };
   std::vector<Work> work;
@@ -1077,9 +1464,13 @@ struct QuantStores {
   const int32_t* upto;
   int64_t residual, ring, sink;
   int64_t num_kv_heads() const { return hkv; }
+  // the rows of tile [k0, k1) of sequence b, head h; their address tables live in the thread's scratch until
+  // its next call
   std::pair<QuantRows<BITS>, QuantRows<BITS>> operator()(int64_t b, int64_t h, int64_t k0, int64_t k1) const {
+    thread_local std::vector<const uint8_t*> k_code, v_code;
+    thread_local std::vector<const uint16_t*> k_prm, v_prm;
     QuantRows<BITS> keys, values;
-    int64_t full = quantized_end(upto[b], map.kv_len(b), residual, map.block_size);
+    int64_t full = quantized_end(upto[b], map.kv_len(b), residual, map.block_size), bs = map.block_size;
     keys.full = values.full = full;
     keys.ring = values.ring = ring;
     keys.sink = values.sink = sink;
@@ -1089,14 +1480,21 @@ struct QuantStores {
     values.window = values.sink_rows + sink * v_window.slot_stride[b];
     keys.first = values.first = k0;
     int64_t quantized = std::max<int64_t>(0, std::min(k1, full) - k0);  // (positions below the sink unread)
-    for (auto* rows : {&keys, &values}) rows->code.resize(quantized), rows->param.resize(quantized);
-    map.each_position(b, std::max(k0, std::min(sink, k0 + quantized)), k0 + quantized,
-                      [&](int64_t p, int64_t store, int64_t slot) {
-      keys.code[p - k0] = k.at(store, h, slot);
-      values.code[p - k0] = v.at(store, h, slot);
-      keys.param[p - k0] = reinterpret_cast<const uint16_t*>(k_param.at(store, h, slot / map.block_size));
-      values.param[p - k0] = reinterpret_cast<const uint16_t*>(v_param.at(store, h, slot));
+    int64_t known = std::max<int64_t>(0, std::min(k1 + PREFETCH_AHEAD, full) - k0);  // and the next ones
+    k_code.resize(known), v_code.resize(known), k_prm.resize(known), v_prm.resize(known);
+    keys.known = values.known = k0 + known;
+    map.each_block(b, std::max(k0, std::min(sink, k0 + quantized)), k0 + known,
+                   [&](int64_t p0, int64_t p1, int64_t store, int64_t slot) {
+      const uint8_t *kc = k.at(store, h, slot), *vc = v.at(store, h, slot);
+      auto kp = reinterpret_cast<const uint16_t*>(k_param.at(store, h, slot / bs));
+      auto vp = reinterpret_cast<const uint16_t*>(v_param.at(store, h, slot));
+      int64_t ks = k.slot_stride[store], vs = v.slot_stride[store], ps = v_param.slot_stride[store];
+      for (int64_t p = p0; p < p1; ++p) {
+        k_code[p - k0] = kc + (p - p0) * ks, v_code[p - k0] = vc + (p - p0) * vs;
+        k_prm[p - k0] = kp, v_prm[p - k0] = vp + (p - p0) * ps;
+      }
     });
+    keys.code = k_code.data(), values.code = v_code.data(), keys.param = k_prm.data(), values.param = v_prm.data();
     return {keys, values};
   }
 };
@@ -1253,7 +1651,8 @@ at::Tensor attention_quant(const at::Tensor& q, std::vector<at::Tensor> k_stores
                            int64_t block_size, const at::Tensor& q_pos, const at::Tensor& upto, int64_t residual,
                            int64_t sink, int64_t bits) {
   TORCH_CHECK(k_windows.size() == static_cast<size_t>(q.size(0)), "one window per sequence");
-  TORCH_CHECK(q.size(3) % 16 == 0, "head_dim must be a multiple of 16");
+  TORCH_CHECK(q.size(3) % 16 == 0 && (bits == 8 || q.size(3) <= 256),
+              "head_dim must be a multiple of 16 (int4: up to 256)");
   check_quant_stores(bits, k_stores, v_stores, k_params, v_params, k_windows, v_windows);
   check_ring(k_windows, upto, residual, sink, block_size, q.size(0));
   StepMap map = step_map(table, block_store, block_start, block_size, q_pos);
