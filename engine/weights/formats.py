@@ -25,8 +25,10 @@ class QuantizedWeight:
     """A [N, K] weight in int8 (codes int8 [N, K]) or int4 (codes uint8 [N, K/2], two codes a byte).
 
     scales: [N, G] float16, G = K / group_size (int8 per output channel: G = 1). minimums: [N, G] float16 for
-    int4, None for int8. In int4 each group of g codes packs byte j = code j (low nibble) | code j + g/2 (high),
-    which is the byte order of GGUF's Q4_0 / Q4_1 blocks for g = 32.
+    int4, None for int8. A GGUF K-quant's scales and minimums travel as float32 (its exact products) from the file
+    to the projection module, which keeps them as float16 (`with_float16_scales`). In int4 each group of g codes
+    packs byte j = code j (low nibble) | code j + g/2 (high), which is the byte order of GGUF's Q4_0 / Q4_1 blocks
+    for g = 32.
     """
 
     bits: int
@@ -47,6 +49,13 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         extra = self.minimums.nbytes if self.minimums is not None else 0
         return self.codes.nbytes + self.scales.nbytes + extra
+
+    def with_float16_scales(self) -> QuantizedWeight:
+        """The same codes with scales and minimums rounded to float16 once (what the modules and kernels keep)."""
+        if self.scales.dtype == torch.float16 and (self.minimums is None or self.minimums.dtype == torch.float16):
+            return self
+        mins = self.minimums.half() if self.minimums is not None else None
+        return QuantizedWeight(self.bits, self.codes, self.scales.half(), mins)
 
     def unpacked_codes(self) -> torch.Tensor:
         """-> [N, K] codes as uint8 (int4) or int8 (int8)."""

@@ -1,8 +1,10 @@
 """GGUF tensors -> kvscope weights without a float32 round-trip where the block type maps onto a format:
 Q4_0 / Q4_1 / Q4_K -> int4 in groups of 32, Q8_0 / Q5_0 -> int8 in groups of 32, Q6_K -> int8 in groups of 16
-(the same integers; scales and minimums float16: Q4_K's and Q6_K's are products of a float16 super-block scale and a
-6-/8-bit sub-block scale, rounded to float16 once). Q5_1 / Q5_K (a 5-bit code plus a minimum has no exact int8
-form) are requantized to int8 in groups of 32 from their values. F32 / F16 / BF16 load as float; any other type
+(the same integers; scales and minimums as the file has them: float16, or for Q4_K and Q6_K the exact float32
+products of a float16 super-block scale and a 6-/8-bit sub-block scale, so that a float format dequantizes them
+exactly as gguf-py does; the projection modules round them to float16 once, engine/weights/linear.py).
+Q5_1 / Q5_K (a 5-bit code plus a minimum has no exact int8 form) are requantized to int8 in groups of 32 from
+their values. F32 / F16 / BF16 load as float; any other type
 gguf-py can read is dequantized one tensor at a time. `outcome` names what happened to each."""
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def _f16(b: np.ndarray) -> np.ndarray:
 
 def _q4_k(blocks: np.ndarray) -> QuantizedWeight:
     """Q4_K: per 256 values d, dmin (float16), 8 six-bit (scale, min) pairs, 4-bit codes; value = d*sc*q - dmin*m.
-    -> int4 groups of 32: scale = d*sc, minimum = -dmin*m (each rounded to float16 once), the same codes."""
+    -> int4 groups of 32: scale = d*sc, minimum = -dmin*m (exact in float32: 11 + 6 bits), the same codes."""
     from gguf.quants import Q4_K
 
     n, nb, _ = blocks.shape
@@ -89,12 +91,12 @@ def _q4_k(blocks: np.ndarray) -> QuantizedWeight:
     minimums = -(dmin[..., None] * m.reshape(n, nb, 8).astype(np.float32))
     qs = blocks[..., 16:].reshape(n, nb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
     codes = torch.from_numpy((qs & 15).reshape(n, nb * SUPER))  # [N, K], sub-block j = nibbles of chunk j // 2
-    return QuantizedWeight.from_codes(codes, _half(scales.reshape(n, -1)), _half(minimums.reshape(n, -1)))
+    return QuantizedWeight.from_codes(codes, _exact(scales.reshape(n, -1)), _exact(minimums.reshape(n, -1)))
 
 
 def _q6_k(blocks: np.ndarray) -> QuantizedWeight:
     """Q6_K: per 256 values 6-bit codes (4 low bits in ql, 2 high in qh), 16 int8 scales, d (float16);
-    value = d * sc * (q - 32). -> int8 groups of 16: codes q - 32, scale d*sc rounded to float16 once."""
+    value = d * sc * (q - 32). -> int8 groups of 16: codes q - 32, scale d*sc (exact in float32: 11 + 8 bits)."""
     n, nb, _ = blocks.shape
     ql, qh = blocks[..., :128], blocks[..., 128:192]
     sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)  # [N, B, 16]
@@ -105,11 +107,12 @@ def _q6_k(blocks: np.ndarray) -> QuantizedWeight:
     high = (high & 3).reshape(n, nb, 2, 4, 32)
     codes = (low | (high << 4)).astype(np.int16) - 32  # [N, B, 2, 4, 32] -> value order
     scales = (d[..., None] * sc).reshape(n, nb * 16)
-    return QuantizedWeight(8, torch.from_numpy(codes.astype(np.int8).reshape(n, nb * SUPER)), _half(scales))
+    return QuantizedWeight(8, torch.from_numpy(codes.astype(np.int8).reshape(n, nb * SUPER)), _exact(scales))
 
 
-def _half(x: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).half()
+def _exact(x: np.ndarray) -> torch.Tensor:
+    """Scale products as float32 (a float16 times an integer of up to 8 bits: exact)."""
+    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
 
 
 def _q5_0(raw: np.ndarray, shape: tuple[int, int], name: str) -> QuantizedWeight:

@@ -145,7 +145,7 @@ class Int8Linear(WeightLinear):
 
     def __init__(self, q: QuantizedWeight):
         super().__init__(*q.shape)
-        q = regrouped_for_kernel(q)
+        q = regrouped_for_kernel(q).with_float16_scales()  # a K-quant's exact scales regrouped, then rounded once
         self.group_size = q.group_size
         self.register_buffer("codes", q.codes.contiguous())  # [N, K] int8
         self.register_buffer("scales", q.scales.contiguous())  # [N, G] float16
@@ -230,6 +230,7 @@ class Int4Linear(WeightLinear):
 
     def __init__(self, q: QuantizedWeight):
         super().__init__(*q.shape)
+        q = q.with_float16_scales()
         self.group_size = q.group_size
         self.register_buffer("scales", q.scales)  # [N, G] float16
         self.register_buffer("minimums", q.minimums)  # [N, G] float16
