@@ -42,19 +42,19 @@ def gguf_tensor(tensor) -> torch.Tensor | QuantizedWeight:
     return values
 
 
+KEPT_INT4, KEPT_INT8, FLOAT_TYPES = ("Q4_0", "Q4_1", "Q4_K"), ("Q8_0", "Q5_0", "Q6_K"), ("F32", "F16", "BF16")
+
+
 def outcome(kind_name: str) -> str:
     """What loading does to a tensor of this GGUF type: 'kept as int4' / 'kept as int8' (its integers),
-    'requantized to int8', 'float', or 'dequantized'."""
-    from gguf import GGMLQuantizationType as T
-
-    kind = T[kind_name]
-    if kind in (T.F32, T.F16, T.BF16):
+    'requantized to int8', 'float', or 'dequantized'. By name: a start from the cache never imports gguf."""
+    if kind_name in FLOAT_TYPES:
         return "float"
-    if kind in (T.Q4_0, T.Q4_1, T.Q4_K):
+    if kind_name in KEPT_INT4:
         return "kept as int4"
-    if kind in (T.Q8_0, T.Q5_0, T.Q6_K):
+    if kind_name in KEPT_INT8:
         return "kept as int8"
-    return "requantized to int8" if kind.name in REQUANTIZED_INT8 else "dequantized"
+    return "requantized to int8" if kind_name in REQUANTIZED_INT8 else "dequantized"
 
 
 SUPER = 256  # values in a K-quant super-block
