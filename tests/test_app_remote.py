@@ -171,12 +171,15 @@ def test_switching_backends_from_settings(qtbot, tmp_path, server, model_dir, ti
         qtbot.waitUntil(lambda: getattr(window.info, "remote", False), timeout=TURN_TIMEOUT_MS)
         assert settings.backend == "remote" and settings.server_model == MODEL
         assert send(qtbot, window, "Hi").done[0].strategy == "server"
+        store = window.conversations.store
+        qtbot.waitUntil(lambda: len(store.entries()) == 1, timeout=TURN_TIMEOUT_MS)  # the server's chat is kept
         window.backends.apply(BackendChoice("local", server.url))
         qtbot.waitUntil(lambda: window.info is not None and not getattr(window.info, "remote", False),
                         timeout=TURN_TIMEOUT_MS)
         assert all(m.isEnabled() for m in window.menus.local_only)
         assert window.metrics.figures.isVisibleTo(window) and not window.backends.view.isVisibleTo(window)
         assert send(qtbot, window, "Hi").done[0].strategy == "paged"
+        qtbot.waitUntil(lambda: len(store.entries()) == 2, timeout=TURN_TIMEOUT_MS)  # a new chat, its own file
     finally:
         dispose(window)
 

@@ -88,8 +88,12 @@ class Backends:
         w.chat.clear()
         w.chat.clear_error()
         w.metrics.new_conversation()
+        w.branching.reset()  # the chat starts over: no versions, the live pool
+        w.block_map.show_live()
+        w.conversations.new_chat_started()
         w.client = self.make_client()
         w._connect_worker()
+        w.client.signals.conversation.connect(w.conversation_list.relay)  # the new backend's chats are saved too
         self.start()
         if not self.remote:
             w.menus.check(s.cache_strategy, s.block_size)
