@@ -103,12 +103,13 @@ class BranchController:
         records = shown_records(w)
         before = sum(1 for r in records[:index] if r["role"] == "user")
         starts = turn_steps(w, sum(1 for r in records if r["role"] == "user"))[before:]
-        first = starts[0] if starts else None
-        if first is None:  # where its turns' points begin is not known (plots cleared): they stay where they are
-            return Tail(records[index:], [], [None] * len(starts), {})
+        first = next((s for s in starts if s is not None), None)  # older turns' points: not known (plots cleared)
+        if first is None:
+            return Tail(records[index:], [], starts, {})
         log = w.metrics.log
         pools = {row - first: pool for row, pool in log.pools.items() if row >= first}
-        return Tail(records[index:], list(log.rows[first:]), [s - first for s in starts], pools)
+        return Tail(records[index:], list(log.rows[first:]), [None if s is None else s - first for s in starts],
+                    pools)
 
     # --- internals ------------------------------------------------------------------------------------------------
     def _show(self, index: int, tail: Tail, dropped_turns: int, tell_worker: bool) -> None:

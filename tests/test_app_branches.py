@@ -261,3 +261,17 @@ def test_versions_are_saved_with_the_conversation_and_switch_after_reopening(qtb
     assert window.branching.switch(0, 0)
     assert shown(window) == original
     qtbot.waitUntil(lambda: conversations.store.open(first).forks[0].shown == 0, timeout=60_000)  # saved again
+
+
+def test_after_clear_plots_an_edit_keeps_the_points_the_plots_still_have(qtbot, window):
+    send(qtbot, window, "Before the clear")
+    window.menus.clear_plots.trigger()
+    send(qtbot, window, "After the clear")
+    rows = list(window.metrics.log.rows)
+
+    run_turn(qtbot, window, lambda: window.edit_and_resend("Edited", 0))
+    kept = window.branching.forks[0].alternatives[0]
+
+    assert kept.steps == rows and kept.turn_steps == [None, 0]  # the first turn's points were cleared already
+    assert window.branching.switch(0, 0)
+    assert window.metrics.log.rows == rows
