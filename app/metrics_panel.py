@@ -8,6 +8,7 @@ of points stay fluid.
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import numpy as np
 import pyqtgraph as pg
@@ -198,10 +199,10 @@ class MetricsPanel(QWidget):
     def add_saved(self, rows: list, turn_starts: list[int | None], pools: dict[int, dict]) -> None:
         """Saved steps (a reopened conversation, a branch shown again) drawn as live ones were, each turn's start
         remembered (so that a later edit takes its points), with the block map's saved states."""
-        starts, first = [s for s in turn_starts if s is not None], len(self.log.rows)
+        starts, first = Counter(s for s in turn_starts if s is not None), len(self.log.rows)
         kv_precision, weights = self.log.kv_precision, self.log.weights
         for i in range(len(rows) + 1):
-            self._turn_marks += [self.log.mark() for _ in range(starts.count(i))]
+            self._turn_marks += [self.log.mark() for _ in range(starts[i])]  # a turn without steps: same start
             if i < len(rows):
                 event = SavedStep.from_row(rows[i])
                 self.log.set_configuration(event.kv_precision, event.weights)

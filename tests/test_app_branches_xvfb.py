@@ -1,7 +1,8 @@
 """Branches, the block map's saved state, the file dialogs and focus in a real X window (Xvfb, Qt's xcb plugin):
 two turns, an edit of the first message, "‹" clicked to show the first version again, rename, a second chat
 deleted, the first reopened (its versions, its plots, its block map as saved, captioned), the Save dialog's
-columns whole, and the focus back on the input after every dialog (Ctrl+N works without a click).
+columns whole, and the focus back on the input after each of the app's fourteen dialogs, the file dialogs among
+them (Ctrl+N works without a click).
 
 Skipped, with the reason, where Xvfb is not installed (see tests/test_app_xvfb.py)."""
 
@@ -113,10 +114,18 @@ dialog.reject()
 QTest.qWait(200)
 window.activateWindow()
 QTest.qWait(200)
-report["focus_after_sampling"] = focus_after(window.actions_.edit_sampling)
-window.conversations.open(first_id)
-QTest.qWait(200)
-report["focus_after_save"] = focus_after(window.menus.save.trigger)
+menus, sidebar = window.menus, window.conversation_list
+dialogs = {"sampling": menus.sampling.trigger, "system prompt": menus.system_prompt.trigger,
+           "KV budget": menus.kv_budget.trigger, "max draft tokens": menus.max_draft_tokens.trigger,
+           "backend": menus.backend.trigger, "about": menus.about.trigger, "open model": menus.open_model.trigger,
+           "compare": window.compare.replay_action.trigger, "rename": sidebar.rename_button.click,
+           "delete": sidebar.delete_button.click, "open": menus.open.trigger, "save": menus.save.trigger,
+           "export PNG": menus.export_png.trigger, "choose GGUF": menus.model_gguf.trigger}
+report["focus"] = {}
+for name, open_dialog in dialogs.items():
+    window.conversations.open(first_id)  # selected in the sidebar (Rename, Delete)
+    QTest.qWait(100)
+    report["focus"][name] = focus_after(open_dialog)
 print(json.dumps(report))
 window.close()
 '''
@@ -142,7 +151,7 @@ def test_branches_block_map_history_dialogs_and_focus_on_a_real_x_server(x_displ
     assert report["block_map_saved"] and "Saved state" in report["caption"] and report["saved_states"]
     assert report["titles"] == ["Caches, two versions"]
     assert report["dialog_width"] >= 900 and report["columns_whole"] and report["columns_inside"]
-    assert report["focus_after_sampling"] and report["focus_after_save"]
+    assert report["focus"] == {name: True for name in report["focus"]} and len(report["focus"]) == 14
     for shot in ("switched.png", "reopened.png", "save-dialog.png"):
         assert (tmp_path / shot).read_bytes()[:4] == b"\x89PNG"
     assert "qt.qpa" not in result.stderr
