@@ -301,7 +301,6 @@ class Conversations:
         self.widget.set_entries(self.store.entries(self.widget.search.text()), self.current)
 
 
-
 def record_of(window, data: dict) -> tuple[list[dict | None], dict]:
     """What is saved with the worker's conversation dict: each reply's figures, and the extras (footers as shown,
     the step log with its turn starts and block-map states, the versions edits kept)."""
