@@ -146,21 +146,35 @@ class EngineWorker(QObject):
         the history before it keeps its cache (prefix reuse), the rest is computed anew."""
         def events():
             keep_until(self.conv, index)
-            self._branch_off()
-            return self.engine.generate(self.conv, text, params)
+            old = self._branch_off()
+            try:
+                for event in self.engine.generate(self.conv, text, params):
+                    if old is not None and isinstance(event, StepEvent):  # the new sequence holds its own blocks
+                        self.engine.forget(old)
+                        old = None
+                    yield event
+            finally:
+                if old is not None:
+                    self.engine.forget(old)
 
         self._run(request, events, self.conv.snapshot())
 
-    def _branch_off(self) -> None:
+    def _branch_off(self) -> Conversation | None:
         """The window keeps the version an edit replaces (app.branches). Where the cache has a prefix cache (the
-        paged pool), the edited conversation goes on in a new sequence and the old one's blocks go to the prefix
-        cache whole: the new one shares the common history's full blocks from it, and showing the old version
-        again finds all of its blocks there while they are not evicted. Elsewhere the sequence is cut back to the
-        common history and goes on."""
-        if getattr(self.engine.cache, "prefix_reuse", False):
-            old = self.conv
-            self.engine.forget(old)
-            self.conv = Conversation(old.system_prompt, old.messages, old.context_start)
+        paged pool), the edited conversation goes on in a fork of the sequence: it shares every block of the
+        common history (the partly filled one is copied when it is rewritten), and the old sequence, forgotten
+        once the new one holds its own blocks, leaves all of its blocks to the prefix cache whole, so showing the
+        old version again finds them there while they are not evicted. Elsewhere (one buffer per sequence: a fork
+        would copy it) the sequence is cut back to the common history and goes on. Returns the old sequence's
+        conversation, or None."""
+        cache = self.engine.cache
+        if not self.engine.cache_strategy.startswith("paged") or not cache.prefix_reuse \
+                or not cache.tokens_held(self.conv.seq_id):
+            return None
+        old = self.conv
+        self.conv = Conversation(old.system_prompt, old.messages, old.context_start)
+        cache.fork(old.seq_id, self.conv.seq_id)
+        return old
 
     @Slot(str, int)
     def set_cache(self, strategy: str, block_size: int) -> None:

@@ -8,12 +8,12 @@ import json
 
 import pytest
 from PySide6.QtCore import Qt
-from test_app_support import run_turn, send, worker_messages
+from test_app_support import Catch, run_turn, send, worker_messages
 
 from app import storage
 from app.branches import Branches, Tail
 from app.conversation_store import ConversationStore
-from engine.chat import Conversation
+from engine.chat import Conversation, Message, prompt_ids
 
 
 def tail(*texts: str) -> Tail:
@@ -208,6 +208,34 @@ def test_editing_a_message_keeps_the_old_version_and_the_switcher_shows_it_again
     qtbot.mouseClick(window.chat.messages[0].next_button, Qt.MouseButton.LeftButton)  # "›"
     assert shown(window) == after and window.metrics.log.rows == rows_after
     assert window.chat.messages[0].branch_text == "2/2"
+
+
+def common_history(window, old: str, new: str) -> int:
+    """The prompt tokens two versions of the first message have in common (the system prompt and template)."""
+    engine = window.client.worker.engine
+    prompts = [prompt_ids(engine.tokenizer, window.settings.system_prompt, [Message("user", text)])
+               for text in (old, new)]
+    return next(i for i, (a, b) in enumerate(zip(*prompts)) if a != b)
+
+
+def test_an_edit_reuses_the_whole_common_history_from_the_old_versions_sequence(qtbot, window):
+    send(qtbot, window, "First question")
+
+    edit = run_turn(qtbot, window, lambda: window.edit_and_resend("Another first question", 0)).done[0]
+
+    assert edit.prefix_hit_tokens == common_history(window, "First question", "Another first question")
+
+
+@pytest.mark.parametrize("cache", ["contiguous", "paged-int8"])
+def test_other_caches_keep_the_common_history_on_an_edit_too(qtbot, window, cache):
+    with Catch(qtbot, window.client.signals.loaded, timeout=60_000):
+        window.set_cache(cache, 16)
+    send(qtbot, window, "First question")
+
+    edit = run_turn(qtbot, window, lambda: window.edit_and_resend("Another first question", 0)).done[0]
+
+    assert edit.prefix_hit_tokens == common_history(window, "First question", "Another first question")
+    assert window.branching.switch(0, 0)
 
 
 def test_after_a_switch_back_the_next_turn_finds_the_old_versions_blocks_in_the_prefix_cache(qtbot, window):
