@@ -398,18 +398,23 @@ def _convert_tokenizer(path: Path, folder: Path) -> None:
     gc.collect()  # the GGUF reader's parsed fields (some 100,000 numpy views for a 49k vocabulary) go now
 
 
+PROGRESS_STEP = 5  # percent of the file's tensor bytes between two progress reports of a conversion
+
+
 def _write_weights(path: Path, config: dict, out: Path, types: dict[str, str], progress: Progress) -> None:
     """Every tensor the model uses, converted and written to the safetensors file `out` one at a time: the
     process holds one tensor (in its file form and converted), never the model. Progress from 0.1 to 0.95 by
     bytes read."""
     from engine.weights.safetensors_io import SafetensorsStream
 
-    stream = SafetensorsStream(out)
+    stream, shown = SafetensorsStream(out), -PROGRESS_STEP
     try:
         for name, weight, done in iter_gguf_weights(path, config, types):
             for key, tensor in stored_tensors({name: weight}).items():
                 stream.add(key, tensor)
-            progress(f"converting {path.name} (once; later starts read the cache)", 0.1 + 0.85 * done)
+            if done * 100 - shown >= PROGRESS_STEP or done == 1:  # every few percent: a bar moves, a terminal
+                shown = int(done * 100)                              # gets a few lines
+                progress(f"converting {path.name}: {shown}% (once; later starts read the cache)", 0.1 + 0.85 * done)
         stream.finish()
     finally:
         stream.close()

@@ -67,13 +67,15 @@ def test_the_converted_file_holds_what_the_whole_model_reader_reads(tmp_path):
         assert torch.equal(saved[name], t), name
 
 
-def test_a_conversion_reports_progress_tensor_by_tensor(tmp_path):
+def test_a_conversion_reports_its_progress_every_few_percent_of_the_file(tmp_path):
     path, _ = write_tiny_gguf(tmp_path / "tiny.gguf")
     reports: list[tuple[str, float]] = []
     loader.load_weights(str(path), progress=lambda message, fraction: reports.append((message, fraction)))
-    converting = [f for m, f in reports if m.startswith("converting tiny.gguf")]
-    assert len(converting) == 2 * 9 + 2  # every tensor the model uses: 9 a layer, the embedding and final norm
-    assert converting == sorted(converting) and converting[-1] == pytest.approx(0.95)
+    converting = [(m, f) for m, f in reports if m.startswith("converting tiny.gguf")]
+    fractions = [f for _, f in converting]
+    assert 5 <= len(converting) <= 100 // loader.PROGRESS_STEP + 1  # 20 tensors, the embedding a quarter of them
+    assert fractions == sorted(fractions) and fractions[-1] == pytest.approx(0.95)
+    assert converting[-1][0].startswith("converting tiny.gguf: 100%")
     assert reports[-1] == ("loaded", 1.0)
 
 
