@@ -165,12 +165,14 @@ class EngineWorker(QObject):
         common history (the partly filled one is copied when it is rewritten), and the old sequence, forgotten
         once the new one holds its own blocks, leaves all of its blocks to the prefix cache whole, so showing the
         old version again finds them there while they are not evicted. Elsewhere (one buffer per sequence: a fork
-        would copy it) the sequence is cut back to the common history and goes on. Returns the old sequence's
-        conversation, or None."""
-        cache = self.engine.cache
-        if not self.engine.cache_strategy.startswith("paged") or not cache.prefix_reuse \
-                or not cache.tokens_held(self.conv.seq_id):
-            return None
+        would copy it), or near the KV budget (the old sequence holds its blocks until the new one's first step),
+        the sequence is cut back to the common history and goes on. Returns the old sequence's conversation, or
+        None."""
+        cache, held = self.engine.cache, self.engine.cache.tokens_held(self.conv.seq_id)
+        room = -(-held // self.engine.block_size) + 1  # the old sequence's blocks stay held until the first step
+        if not self.engine.cache_strategy.startswith("paged") or not cache.prefix_reuse or not held \
+                or not cache.can_make_room(room):
+            return None  # near the budget the fork's extra blocks could end the reply early: cut back instead
         old = self.conv
         self.conv = Conversation(old.system_prompt, old.messages, old.context_start)
         cache.fork(old.seq_id, self.conv.seq_id)

@@ -303,3 +303,17 @@ def test_after_clear_plots_an_edit_keeps_the_points_the_plots_still_have(qtbot, 
     assert kept.steps == rows and kept.turn_steps == [None, 0]  # the first turn's points were cleared already
     assert window.branching.switch(0, 0)
     assert window.metrics.log.rows == rows
+
+
+def test_at_a_full_kv_budget_an_edit_still_answers(qtbot, window):
+    from test_app_budget_turns import set_budget
+    from test_app_support import greedy
+
+    set_budget(window, qtbot, 6)
+    window.sampling_override = greedy(500)
+    assert send(qtbot, window, "Tell me everything.").done[0].finish_reason == "budget"  # every block in use
+
+    edit = run_turn(qtbot, window, lambda: window.edit_and_resend("Tell me less.", 0)).done[0]
+
+    assert edit.n_generated_tokens > 0 and not window.chat.error_text
+    assert window.chat.messages[0].branch_text == "2/2"
