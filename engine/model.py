@@ -4,6 +4,8 @@ through a StepView."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import math
 
 import torch
@@ -343,11 +345,20 @@ def fuse_hf_state_dict(c: ModelConfig, state: dict[str, Weight], consume: bool =
             attention = "self_attn" in short
             prefix = short.split(".self_attn.")[0] if attention else short.split(".mlp.")[0]
             out.update(_fused_layer(state, take, prefix, attention, short.rpartition(".")[2]))
+            if consume:
+                trim_heap()
         elif not any(p in short for p in (".k_proj.", ".v_proj.", ".up_proj.", "rotary_emb")):
             out[short] = take(name)
     if c.tie_word_embeddings:
         out.pop("lm_head.weight", None)
     return out
+
+
+def trim_heap() -> None:
+    """Hand freed heap back to the system (glibc keeps it otherwise): a fused projection is larger than each of the
+    parts just freed, so without this each fusion grows the heap (measured +210 MB over float32 weights' 540 MB)."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _fused_layer(state: dict, take, prefix: str, attention: bool, leaf: str) -> dict[str, Weight]:
