@@ -12,7 +12,8 @@ import torch
 
 from engine import kernels
 from engine.kv import quant
-from engine.kv.precision import CONTIGUOUS_GROUP
+from engine.kv.attention import KeyMap
+from engine.kv.precision import CONTIGUOUS_GROUP, bytes_per_element
 from tests.engine_helpers import held_storage_bytes, one_torch_thread
 from tests.test_batch_invariance import PROMPT, decode, same_bits
 from tests.test_int8_quality import english_ids
@@ -72,6 +73,34 @@ def test_a_sequence_sharing_a_quantized_prefix_reads_the_sink_its_first_holder_k
     assert torch.equal(second, first[0])
     assert engine.cache.sink_rows  # kept for the prefix cache, and counted as the cache's memory
     assert engine.cache.stats(1).bytes_allocated == held_storage_bytes(engine.cache)
+
+
+def test_int4_key_parameters_take_8_bits_a_channel_and_keep_every_value_within_half_a_step():
+    k = torch.randn(3, 4, 16, 64) * torch.linspace(0.2, 5, 64) + 2 * torch.randn(64)  # outlier channels, offsets
+    codes, params = quant.quantize_keys_int4(k)
+    assert params.dtype == torch.uint8 and params.shape == (3, 4, quant.key_params_bytes(64)) == (3, 4, 132)
+    scale, _ = quant.key_scales_int4(params)  # [3, 4, 64]
+    back = quant.dequantize_keys_int4(codes, params, torch.float32).view_as(k)
+    assert ((back - k).abs() <= scale[:, :, None] / 2 * (1 + 1e-5)).all()  # no value clipped by its channel's range
+    assert bytes_per_token_ratio("int4", 16) <= 0.3  # the bound, scales included, at the default block
+
+
+def bytes_per_token_ratio(kv: str, block: int) -> float:
+    return bytes_per_element(kv, block, 64) / bytes_per_element("float16", block, 64)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the compiled CPU kernels are not built here")
+def test_the_kernel_quantizes_int4_keys_to_the_bits_of_the_pure_pytorch_codec():
+    h, d, bs, t = 3, 64, 16, 128
+    k, v = torch.randn(1, h, t, d) * torch.linspace(0.2, 5, d) + 2 * torch.randn(d), torch.randn(1, h, t, d)
+    stores = [[s[0]] for s in quant.INT4.storage(1, h, t // bs, bs, d, "cpu")]
+    window = torch.zeros(2, h, bs, d)  # no residual, no sink: every full block is quantized as it fills
+    keys = KeyMap.build([list(range(t // bs))], torch.zeros(t // bs, dtype=torch.int32),
+                        torch.arange(t // bs, dtype=torch.int32) * bs, bs, [0], [t], torch.device("cpu"))
+    kernels.ops().write_kv_quant(*stores, [window[0]], [window[1]], k, v, keys.table, keys.block_store,
+                                 keys.block_start, bs, keys.q_pos, torch.zeros(1, dtype=torch.int32), 0, 0, 4)
+    codes, params = quant.quantize_keys_int4(k[0].view(h, t // bs, bs, d))
+    assert torch.equal(stores[0][0], codes.reshape(h, t, d // 2)) and torch.equal(stores[2][0], params)
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the compiled CPU kernels are not built here")

@@ -74,6 +74,10 @@ def decode_targets(r: dict) -> list[Target]:
     out.append(_check("paged decode / bandwidth lower bound at 512 (bytes actually read)", mult, "<=", 1.5, "x",
                       f"bound {fmt(bound)} ms vs {fmt(_get(lat, 'paged', '512'))} ms: the rest is compute and "
                       "per-op overhead"))
+    per_token = _get(r, "roofline", "kv_bytes_per_token") or {}
+    int4, f16 = per_token.get("paged, KV int4"), per_token.get("paged, KV float16")
+    out.append(_check("int4 KV bytes per token / float16's (blocks of 16, scales included)", _div(int4, f16), "<=",
+                      0.3, "x", f"{fmt(int4)} vs {fmt(f16)} bytes per token (the formula of engine/kv/precision.py)"))
     return out
 
 

@@ -734,6 +734,36 @@ inline void codes_to_floats(const uint8_t* const* rows, int64_t n, int64_t d, fl
   }
 }
 
+// A block's key parameters. int8: [D] float16 scales. int4, two-level (engine/kv/quant.py): bytes [D] 8-bit
+// scales (1..255), [D] 8-bit minimums (-127..127), then two float16 super scales; scale = s_super * code,
+// min = m_super * code (exact in float32). `param` points at the block's first byte either way.
+inline std::pair<float, float> int4_supers(const uint16_t* param, int64_t d) {
+  const uint16_t* supers = param + d;  // byte 2D
+  return {half_to_float(supers[0]), half_to_float(supers[1])};
+}
+
+inline float key_scale(const uint16_t* param, int64_t d, int64_t j, int bits) {
+  if (bits == 8) return half_to_float(param[j]);
+  return reinterpret_cast<const uint8_t*>(param)[j] * int4_supers(param, d).first;
+}
+
+inline float key_min(const uint16_t* param, int64_t d, int64_t j) {
+  return reinterpret_cast<const int8_t*>(param)[d + j] * int4_supers(param, d).second;
+}
+
+#ifdef KVSCOPE_AVX2
+// channels j..j+7 of a block's key scales and (int4) minimums
+template <int BITS>
+inline std::pair<__m256, __m256> key_params8(const uint16_t* param, int64_t d, int64_t j) {
+  if constexpr (BITS == 8) return {halves8(param + j), _mm256_setzero_ps()};
+  auto [s_super, m_super] = int4_supers(param, d);
+  auto bytes = reinterpret_cast<const uint8_t*>(param);
+  __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + j))));
+  __m256 mc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + d + j))));
+  return {_mm256_mul_ps(sc, _mm256_set1_ps(s_super)), _mm256_mul_ps(mc, _mm256_set1_ps(m_super))};
+}
+#endif
+
 // a query against one block's keys: qs = q * scale per channel; bias = q . min (int4; 0 for int8)
 template <int BITS>
 inline float scale_query(const float* q, const uint16_t* param, int64_t d, float* qs) {
@@ -741,15 +771,16 @@ inline float scale_query(const float* q, const uint16_t* param, int64_t d, float
   __m256 bias = _mm256_setzero_ps();
   for (int64_t j = 0; j < d; j += 8) {
     __m256 qj = _mm256_loadu_ps(q + j);
-    _mm256_storeu_ps(qs + j, _mm256_mul_ps(qj, halves8(param + j)));
-    if constexpr (BITS == 4) bias = _mm256_fmadd_ps(qj, halves8(param + d + j), bias);
+    auto [sc, mn] = key_params8<BITS>(param, d, j);
+    _mm256_storeu_ps(qs + j, _mm256_mul_ps(qj, sc));
+    if constexpr (BITS == 4) bias = _mm256_fmadd_ps(qj, mn, bias);
   }
   return hsum(bias);
 #else
   float bias = 0.f;
   for (int64_t j = 0; j < d; ++j) {
-    qs[j] = q[j] * half_to_float(param[j]);
-    if constexpr (BITS == 4) bias += q[j] * half_to_float(param[d + j]);
+    qs[j] = q[j] * key_scale(param, d, j, BITS);
+    if constexpr (BITS == 4) bias += q[j] * key_min(param, d, j);
   }
   return bias;
 #endif
@@ -805,10 +836,11 @@ inline float query_int16(const float* q, const uint16_t* param, int64_t d, int64
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 amax = _mm256_setzero_ps(), b = _mm256_setzero_ps();
   for (int64_t j = 0; j < d; j += 8) {
-    __m256 qj = _mm256_loadu_ps(q + j), x = _mm256_mul_ps(qj, halves8(param + j));
+    auto [sc, mn] = key_params8<4>(param, d, j);
+    __m256 qj = _mm256_loadu_ps(q + j), x = _mm256_mul_ps(qj, sc);
     _mm256_storeu_ps(qs + j, x);
     amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, x));
-    b = _mm256_fmadd_ps(qj, halves8(param + d + j), b);
+    b = _mm256_fmadd_ps(qj, mn, b);
   }
   *bias = hsum(b);
   float top = hmax(amax), inv = top > 0.f ? 32767.f / top : 0.f;
@@ -1014,6 +1046,8 @@ void weigh_codes(const float* const* w, const uint8_t* const* rows, int64_t n, i
 // (the next tile's too) are fetched, the keys' into L1 and the values' (read after the softmax) into L2.
 constexpr int64_t PREFETCH_AHEAD = 64;
 
+inline int64_t key_param_bytes(int bits, int64_t d) { return bits == 8 ? 2 * d : 2 * d + 4; }
+
 inline void prefetch_span(const void* from, const void* to, int hint) {
 #ifdef KVSCOPE_AVX2
   auto* p = static_cast<const char*>(from);
@@ -1032,7 +1066,7 @@ inline void prefetch_codes(const QuantRows<BITS>& keys, const QuantRows<BITS>& v
     while (e < b && keys.param[e - keys.first] == prm) ++e;
     int64_t n = e - s;
     prefetch_span(keys.code[s - keys.first], keys.code[s - keys.first] + n * bytes, _MM_HINT_T0);
-    prefetch_span(prm, prm + 2 * d, _MM_HINT_T0);
+    prefetch_span(prm, reinterpret_cast<const char*>(prm) + key_param_bytes(BITS, d), _MM_HINT_T0);
     prefetch_span(values.code[s - values.first], values.code[s - values.first] + n * bytes, _MM_HINT_T1);
     prefetch_span(values.param[s - values.first], values.param[e - 1 - values.first] + 1, _MM_HINT_T1);
   }
@@ -1455,9 +1489,13 @@ inline int64_t quantized_end(int64_t upto, int64_t kv_len, int64_t residual, int
 }
 
 template <int BITS>
+using KeyParam = std::conditional_t<BITS == 8, at::Half, uint8_t>;  // the element of a key parameter store
+
+template <int BITS>
 struct QuantStores {
   StoreAddresses<uint8_t> k, v;  // codes [Hkv, slots, D] int8 or [Hkv, slots, D/2] two int4 a byte
-  StoreAddresses<at::Half> k_param, v_param;  // [Hkv, blocks, D] / [Hkv, blocks, 2, D]; [Hkv, slots] / [Hkv, slots, 2]
+  StoreAddresses<KeyParam<BITS>> k_param;  // [Hkv, blocks, D] float16 (int8) / [Hkv, blocks, 2D + 4] bytes (int4)
+  StoreAddresses<at::Half> v_param;  // [Hkv, slots] / [Hkv, slots, 2]
   StoreAddresses<float> k_window, v_window;  // per sequence [Hkv, sink + ring, D] float32: sink rows, then the ring
   const StepMap& map;
   int64_t hkv;
@@ -1509,15 +1547,16 @@ void check_quant_stores(int64_t bits, const std::vector<at::Tensor>& k_stores, c
   auto codes = bits == 8 ? at::kChar : at::kByte;
   check_stores(k_stores, codes, 3, "key codes");
   check_stores(v_stores, codes, 3, "value codes");
-  check_stores(k_params, at::kHalf, bits == 8 ? 3 : 4, "key scales");
+  check_stores(k_params, bits == 8 ? at::kHalf : at::kByte, 3, "key scales");
   check_stores(v_params, at::kHalf, bits == 8 ? 2 : 3, "value scales");
   check_stores(k_windows, at::kFloat, 3, "key windows");
   check_stores(v_windows, at::kFloat, 3, "value windows");
   TORCH_CHECK(k_windows.size() == v_windows.size(), "one value window per key window");
   for (const auto* windows : {&k_windows, &v_windows})
     for (const auto& w : *windows) TORCH_CHECK(w.stride(1) == w.size(2), "windows: contiguous rows of D");
+  int64_t d = k_windows.empty() ? 0 : k_windows[0].size(2);
   if (bits == 4)
-    for (const auto& p : k_params) TORCH_CHECK(p.stride(2) == p.size(3), "int4 key scales: [Hkv, blocks, 2, D]");
+    for (const auto& p : k_params) TORCH_CHECK(p.size(2) == 2 * d + 4, "int4 key scales: [Hkv, blocks, 2D + 4] bytes");
 }
 
 inline float int8_scale(float absmax) {
@@ -1557,12 +1596,52 @@ inline void put_code(uint8_t* row, int64_t j, int64_t d, uint8_t code) {
   }
 }
 
+// the float16 value nearest x that is >= x (x >= 0), at least the smallest float16 (as quant._half_up)
+inline float half_up(float x) {
+  c10::Half h(x);
+  if (static_cast<float>(h) < x) h.x = static_cast<uint16_t>(h.x + 1);
+  return std::max(static_cast<float>(h), 5.9604645e-8f);
+}
+
+// int4 keys of a block [bs, D], per channel over its tokens, with two-level parameters (quant.quantize_keys_int4,
+// the same operations in the same order): the minimum rounded down onto m_super's grid, then the scale up onto
+// s_super's, so every value of the channel fits its 16 codes; prm: [D] scales, [D] minimums, the two supers
+void quantize_keys_int4(const float* kwin, int64_t bs, int64_t d, uint8_t* const* k_rows, uint8_t* prm) {
+  thread_local std::vector<float> lo, hi, need;
+  lo.assign(kwin, kwin + d), hi.assign(kwin, kwin + d), need.resize(d);
+  for (int64_t r = 1; r < bs; ++r)
+    for (int64_t j = 0; j < d; ++j) lo[j] = std::min(lo[j], kwin[r * d + j]), hi[j] = std::max(hi[j], kwin[r * d + j]);
+  float amax = 0.f, top = 0.f;
+  for (int64_t j = 0; j < d; ++j) amax = std::max(amax, std::fabs(lo[j]));
+  float m_super = half_up(amax / 127.f);
+  for (int64_t j = 0; j < d; ++j) {
+    float mc = std::min(127.f, std::max(-127.f, std::floor(lo[j] / m_super)));
+    prm[d + j] = static_cast<uint8_t>(static_cast<int8_t>(mc));
+    need[j] = (hi[j] - mc * m_super) / 15.f;
+    top = std::max(top, need[j]);
+  }
+  float s_super = half_up(std::max(top, 1e-5f) / 255.f);
+  for (int64_t j = 0; j < d; ++j) {
+    float sc = std::min(255.f, std::max(1.f, std::ceil(need[j] / s_super)));
+    prm[j] = static_cast<uint8_t>(sc);
+    float scale = sc * s_super, minimum = static_cast<int8_t>(prm[d + j]) * m_super;
+    for (int64_t r = 0; r < bs; ++r) put_code<4>(k_rows[r], j, d, to_code(kwin[r * d + j], scale, minimum, 15.f, 0.f));
+  }
+  uint16_t supers[2] = {c10::Half(s_super).x, c10::Half(m_super).x};  // exact: both are float16 values
+  std::memcpy(prm + 2 * d, supers, sizeof supers);
+}
+
 // a full block of window rows [bs, D] -> codes at slots first..first+bs-1 and their scales
 template <int BITS>
 void quantize_block(const float* kwin, const float* vwin, int64_t bs, int64_t d, uint8_t* const* k_rows,
-                    uint8_t* const* v_rows, uint16_t* k_prm, uint16_t* const* v_prm) {
-  for (int64_t j = 0; j < d; ++j)  // keys: per channel over the block's tokens
-    quantize_group<BITS>(kwin + j, bs, d, k_prm + j, d, [&](int64_t r, uint8_t c) { put_code<BITS>(k_rows[r], j, d, c); });
+                    uint8_t* const* v_rows, KeyParam<BITS>* k_prm, uint16_t* const* v_prm) {
+  if constexpr (BITS == 4) {
+    quantize_keys_int4(kwin, bs, d, k_rows, k_prm);
+  } else {
+    auto* prm = reinterpret_cast<uint16_t*>(k_prm);
+    for (int64_t j = 0; j < d; ++j)  // keys: per channel over the block's tokens
+      quantize_group<BITS>(kwin + j, bs, d, prm + j, d, [&](int64_t r, uint8_t c) { put_code<BITS>(k_rows[r], j, d, c); });
+  }
   for (int64_t r = 0; r < bs; ++r)  // values: per token
     quantize_group<BITS>(vwin + r * d, d, 1, v_prm[r], 1, [&](int64_t j, uint8_t c) { put_code<BITS>(v_rows[r], j, d, c); });
 }
@@ -1578,7 +1657,8 @@ void write_quant(const std::vector<at::Tensor>& k_stores, const std::vector<at::
   int64_t b = k.size(0), h = k.size(1), t = k.size(2), d = k.size(3), bs = map.block_size;
   int64_t ring = k_windows[0].size(1) - sink;
   StoreAddresses<uint8_t> kq(k_stores), vq(v_stores);
-  StoreAddresses<at::Half> kp(k_params), vp(v_params);
+  StoreAddresses<KeyParam<BITS>> kp(k_params);
+  StoreAddresses<at::Half> vp(v_params);
   StoreAddresses<float> kw(k_windows), vw(v_windows);
   const float *kx = k.data_ptr<float>(), *vx = v.data_ptr<float>();
   std::vector<uint8_t*> k_rows(bs), v_rows(bs);
@@ -1612,7 +1692,7 @@ void write_quant(const std::vector<at::Tensor>& k_stores, const std::vector<at::
           v_rows[r] = const_cast<uint8_t*>(vq.at(store, hi, start + r));
           v_prm[r] = reinterpret_cast<uint16_t*>(const_cast<at::Half*>(vp.at(store, hi, start + r)));
         }
-        auto* k_prm = reinterpret_cast<uint16_t*>(const_cast<at::Half*>(kp.at(store, hi, start / bs)));
+        auto* k_prm = const_cast<KeyParam<BITS>*>(kp.at(store, hi, start / bs));
         quantize_block<BITS>(k_block.data(), v_block.data(), bs, d, k_rows.data(), v_rows.data(), k_prm,
                              v_prm.data());
       }

@@ -36,16 +36,19 @@ TIE = 1.15  # candidates within this factor of the fastest count as equally fast
 def bytes_per_element(precision: str, group_tokens: int, head_dim: int) -> float:
     """Average bytes per stored element of K and V, scales included.
 
-    int8: symmetric codes; keys one scale per channel per group of tokens, values one scale per token and head.
-    int4: asymmetric codes (two per byte); keys a scale and a minimum per channel per group (KIVI's per-channel
-    keys), values a scale and a minimum per token and head."""
+    int8: symmetric codes; keys one float16 scale per channel per group of tokens, values one per token and head.
+    int4: asymmetric codes (two per byte); keys an 8-bit scale and minimum per channel per group (KIVI's
+    per-channel keys) under two float16 super scales per group and head (quant.py), values a float16 scale and
+    minimum per token and head."""
     if precision in FLOAT_BYTES:
         return float(FLOAT_BYTES[precision])
     if precision not in QUANTIZED:
         raise ValueError(f"unknown KV precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
-    code, params = (1.0, 1) if precision == "int8" else (0.5, 2)
-    keys = code + params * SCALE_BYTES / group_tokens
-    values = code + params * SCALE_BYTES / head_dim
+    if precision == "int8":
+        keys, values = 1.0 + SCALE_BYTES / group_tokens, 1.0 + SCALE_BYTES / head_dim
+    else:
+        keys = 0.5 + (2 + 2 * SCALE_BYTES / head_dim) / group_tokens
+        values = 0.5 + 2 * SCALE_BYTES / head_dim
     return (keys + values) / 2
 
 
