@@ -17,6 +17,7 @@ def add_model_options(p: argparse.ArgumentParser, default_cache: str | None = "p
                         "bounds; int4/int8 keep a GGUF's own integers)")
     add_prefix_reuse_option(p)
     add_kv_budget_option(p)
+    add_threads_option(p)
 
 
 def add_kv_dtype_option(p: argparse.ArgumentParser) -> None:
@@ -29,6 +30,22 @@ def add_kv_budget_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-budget", type=float, metavar="MiB", default=None,
                    help="the most a paged KV pool grows to, in MiB (default: one context's worth); the pool starts "
                         "small and grows with the conversation")
+
+
+def thread_count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of threads, got {text!r}") from None
+    if not 1 <= n <= 1024:
+        raise argparse.ArgumentTypeError(f"threads must be between 1 and 1024, got {n}")
+    return n
+
+
+def add_threads_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=thread_count, default=None, metavar="N",
+                   help="CPU threads for the engine (default: torch's, one per core); on a busy machine fewer "
+                        "threads than cores avoid steps that wait for a descheduled thread")
 
 
 def add_prefix_reuse_option(p: argparse.ArgumentParser) -> None:
@@ -76,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_prefix_reuse_option(bench)
     add_kv_budget_option(bench)
     add_kv_dtype_option(bench)
+    add_threads_option(bench)
 
     add_serve_parser(sub)
     return parser
@@ -92,6 +110,7 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--weights", choices=WEIGHT_FORMATS, default=None,
                        help="weight format (default auto: the fastest single-token decode measured on this machine)")
     add_kv_dtype_option(serve)
+    add_threads_option(serve)
     serve.add_argument("--max-concurrency", type=int, default=16, help="requests in the running batch at most")
     serve.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health")
     serve.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
@@ -102,6 +121,10 @@ def add_serve_parser(sub) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = args.command or "gui"
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)  # every thread's parallel regions (the app's worker included)
     if command == "chat":
         from engine.cli import run_chat
 

