@@ -7,22 +7,25 @@ square cells, so a pool of thousands of blocks costs one drawImage per paint; re
 update().
 
 After a conversation is opened (or another version of a message shown), the map shows the pool as it was saved at
-the end of its last turn (show_saved: an app.pool_snapshot.SavedPool), captioned as such, and ignores the live
-pool until the next turn runs (show_live).
+the end of each turn (show_history: app.pool_snapshot.SavedTurn records, the last turn first), captioned with the
+turn shown, and ignores the live pool until the next turn runs (show_live). A '‹ turn 3 of 5 ›' control under the
+grid (app.turn_stepper) steps through the saved turns; Left and Right do the same while the map has the focus.
+turn_shown(x_range) tells which context positions the turn shown ran (None: the live pool).
 """
 
 from __future__ import annotations
 
 import math
 
-from PySide6.QtCore import QPoint, QRect, Qt
+from PySide6.QtCore import QPoint, QRect, Qt, Signal
 from PySide6.QtGui import QColor, QImage, QPainter, QPen, QPolygon
 from PySide6.QtWidgets import QGridLayout, QLabel, QStackedWidget, QVBoxLayout, QWidget
 
 from app.style import BLOCK_COLORS, BLOCK_LABELS, PLOT_BACKGROUND, TEXT_MUTED
+from app.turn_stepper import TurnStepper
 
 PAD_INDEX = len(BLOCK_COLORS)  # colour of the cells past the last block
-SAVED_CAPTION = "Saved state: the pool as this {what}'s last turn left it, until the next turn runs."
+SAVED_CAPTION = "Saved state: the pool as {turn} left it, until the next turn runs."
 NO_BLOCKS_TEXT = {
     "none": "keeps no KV cache at all: every step recomputes the whole context.",
     "contiguous": "reserves one contiguous buffer per sequence, sized for the whole context.",
@@ -76,6 +79,9 @@ class BlockGrid(QWidget):
                 painter.drawLine(0, r * cell, cols * cell, r * cell)
         if self.budget > len(self.states):
             self._outline_budget(painter, cols, rows, cell)
+        if self.hasFocus():  # reached with Tab while saved turns are shown: Left and Right step through them
+            painter.setPen(QPen(QColor(TEXT_MUTED), 1, Qt.PenStyle.DotLine))
+            painter.drawRect(self.rect().adjusted(0, 0, -1, -1))
         painter.end()
 
     def _outline_budget(self, painter: QPainter, cols: int, rows: int, cell: int) -> None:
@@ -117,8 +123,15 @@ def _held_text(kv) -> str:
     return f"nothing held{recomputed}"
 
 
+def _turn_text(turn, latest: bool, what: str) -> str:
+    """How the caption names a saved turn: 'turn 3 (this conversation's last)', 'turn 2 of this version'."""
+    return f"turn {turn.number} (this {what}'s last)" if latest else f"turn {turn.number} of this {what}"
+
+
 class BlockMap(QWidget):
     """Call set_stats(kv) with each KVStats; non-paged strategies show a line of text instead of a grid."""
+
+    turn_shown = Signal(object)  # the (first, last) context positions of the saved turn shown; None when live
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
@@ -133,7 +146,9 @@ class BlockMap(QWidget):
                                       "they were saved; the live pool shows again when the next turn runs")
         self.caption.hide()
         layout.addWidget(self.caption)
-        self.saved = False  # showing a saved state (show_saved) until the next turn (show_live)
+        self.saved = False  # showing a saved state (show_history) until the next turn (show_live)
+        self.turns: list = []  # the saved turns shown (app.pool_snapshot.SavedTurn), oldest first
+        self.what = "conversation"
         self.stack = QStackedWidget(self)
         self.grid = BlockGrid(self.stack)
         self.message = QLabel("", self.stack, objectName="muted", wordWrap=True)
@@ -141,6 +156,10 @@ class BlockMap(QWidget):
         self.stack.addWidget(self.grid)
         self.stack.addWidget(self.message)
         layout.addWidget(self.stack, 1)
+        self.stepper = TurnStepper(self)
+        self.stepper.moved.connect(self._show_turn)
+        self.stepper.hide()
+        layout.addWidget(self.stepper)
         self.legend = QWidget(self)
         self.legend.setLayout(self._legend())
         layout.addWidget(self.legend)
@@ -152,19 +171,44 @@ class BlockMap(QWidget):
         self.legend_title.setText(f"Each cell: one block of {name} keys and values" if name else "")
         self.legend_title.setVisible(bool(name))
 
-    def show_saved(self, pool, what: str = "conversation") -> None:
-        """Draw a saved pool (a SavedPool) and keep it, captioned, until show_live. what: whose last turn it
-        ended ("conversation", "version")."""
+    def show_history(self, turns: list, total: int, what: str = "conversation") -> None:
+        """Draw the last of these saved turns (app.pool_snapshot.SavedTurn, oldest first) and keep them, captioned,
+        until show_live; with two or more, the control steps through them. total: the turns the conversation has;
+        what: whose turns they are ("conversation", "version"). No turns: the live pool."""
+        if not turns:
+            self.show_live()
+            return
+        self.turns, self.what = list(turns), what
+        self.stepper.set_turns([t.number for t in self.turns], total)
+        self.stepper.setVisible(len(self.turns) > 1)
+        self.grid.setFocusPolicy(Qt.FocusPolicy.StrongFocus if len(self.turns) > 1 else Qt.FocusPolicy.NoFocus)
+        self._show_turn(len(self.turns) - 1)
+
+    def _show_turn(self, index: int) -> None:
+        turn = self.turns[index]
         self.saved = False
-        self.set_stats(pool)
+        self.set_stats(turn.pool)
         self.saved = True
-        self.caption.setText(SAVED_CAPTION.format(what=what))
+        self.caption.setText(SAVED_CAPTION.format(turn=_turn_text(turn, index == len(self.turns) - 1, self.what)))
         self.caption.show()
+        self.turn_shown.emit(turn.x_range)
 
     def show_live(self) -> None:
         """From now on, draw the live pool (the next set_stats)."""
-        self.saved = False
+        was_saved, self.saved, self.turns = self.saved, False, []
         self.caption.hide()
+        self.stepper.hide()
+        self.grid.setFocusPolicy(Qt.FocusPolicy.NoFocus)
+        if was_saved:
+            self.turn_shown.emit(None)
+
+    def keyPressEvent(self, event) -> None:  # noqa: N802 (Qt override): Left/Right step through saved turns
+        delta = {Qt.Key.Key_Left: -1, Qt.Key.Key_Right: +1}.get(event.key())
+        if self.saved and self.stepper.isVisible() and delta is not None:
+            self.stepper.step(delta)
+            event.accept()
+        else:
+            super().keyPressEvent(event)
 
     def set_stats(self, kv) -> None:
         if self.saved:

@@ -123,7 +123,7 @@ class BranchController:
         w.metrics.last_done = last or next((DoneEvent(r["content"], **r["reply"]) for r in reversed(kept)
                                             if r.get("reply")), None)
         w.metrics.refresh()
-        w.show_saved_pool(w.metrics.log.last_pool(), "version")
+        w.show_saved_pools("version")
         w.show_last_reply(w.metrics.last_done)
         if tell_worker:
             conv = Conversation(w.snapshot.get("system_prompt"), [_message(r) for r in kept + tail.messages],

@@ -329,7 +329,7 @@ def show_saved(window, saved: storage.SavedChat) -> None:
     if last_done is not None:
         w.metrics.turn_finished(last_done)
     w.branching.reset(saved.forks)
-    w.show_saved_pool(w.metrics.log.last_pool())
+    w.show_saved_pools()
     w.show_last_reply(last_done)
     w.snapshot = storage.conversation_dict(conv)  # what the worker holds from now on
     w.client.open_conversation(conv)

@@ -30,7 +30,6 @@ from app.dialogs import about_html
 from app.menus import Menus
 from app.message_widget import speculation_footer
 from app.metrics_panel import MetricsPanel
-from app.pool_snapshot import SavedPool
 from app.settings import AppSettings
 from app.status_bar import StatusBar
 from app.status_fit import StatusFit
@@ -84,6 +83,7 @@ class MainWindow(QMainWindow):
         self.chat = ChatView(self)
         self.block_map = BlockMap()
         self.metrics = self.side = MetricsPanel(self, companion=self.block_map)
+        self.block_map.turn_shown.connect(self.metrics.highlight)  # a saved turn's positions, shaded in the plots
         self.splitter = QSplitter(Qt.Orientation.Horizontal, self)
         self.splitter.addWidget(self.chat)
         self.splitter.addWidget(self.side)
@@ -231,12 +231,11 @@ class MainWindow(QMainWindow):
         self.chat.add_message("assistant", "")
         self._set_generating(True)
 
-    def show_saved_pool(self, record: dict | None, what: str = "conversation") -> None:
-        """The block map shows this saved state until the next turn (None: the live pool)."""
-        if record is None:
-            self.block_map.show_live()
-        else:
-            self.block_map.show_saved(SavedPool.from_record(record), what)
+    def show_saved_pools(self, what: str = "conversation") -> None:
+        """The block map shows the step log's saved states, one per turn (the last first), until the next turn;
+        the live pool where there are none."""
+        num_turns = sum(1 for m in self.chat.messages if m.role == "user")
+        self.block_map.show_history(self.metrics.saved_turns(num_turns), num_turns, what)
 
     def show_last_reply(self, done) -> None:
         """The status bar shows a shown conversation's last reply: its speed, first token and context."""

@@ -8,6 +8,7 @@ of points stay fluid.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections import Counter
 
 import numpy as np
@@ -19,7 +20,7 @@ from PySide6.QtWidgets import QFrame, QScrollArea, QSplitter, QTextBrowser, QVBo
 from app.figures import figure_rows, figures_html
 from app.model_info import ModelInfo
 from app.plots import PlotBox, make_plot, series_color, update_headroom
-from app.pool_snapshot import pool_record
+from app.pool_snapshot import SavedPool, SavedTurn, pool_record
 from app.step_log import MIB, Run, SavedStep, StepLog
 
 REFRESH_MS = 120  # one part per tick: each plot and the figures redraw about three times per second
@@ -76,6 +77,17 @@ def _make_hoverable(item: pg.PlotDataItem) -> None:
 def _prefill_pen(color: str):
     """A prefill is a thin dashed step with end ticks across the tokens it ran, drawn behind the decode lines."""
     return _pen(color, 1.2, Qt.PenStyle.DashLine, alpha=200)
+
+
+def _turn_region(plot) -> pg.LinearRegionItem:
+    """A shade behind a plot's curves over the positions of the saved turn the block map shows (hidden)."""
+    color = QColor(STYLE_GREY)
+    color.setAlpha(40)
+    region = pg.LinearRegionItem(movable=False, brush=pg.mkBrush(color), pen=pg.mkPen(None))
+    region.setZValue(-20)
+    region.hide()
+    plot.addItem(region, ignoreBounds=True)
+    return region
 
 
 def _crosses(x: np.ndarray, y: np.ndarray, rect) -> bool:
@@ -211,6 +223,31 @@ class MetricsPanel(QWidget):
         self.log.pools.update({first + row: pool for row, pool in pools.items()})
         self.refresh()
 
+    def saved_turns(self, num_turns: int) -> list[SavedTurn]:
+        """The block map's saved state after each turn that has one, oldest first, numbered among the
+        conversation's num_turns turns (the log knows the starts of the latest ones), with the positions it ran."""
+        starts, turns = self.turn_starts(), []
+        for row in sorted(self.log.pools):
+            known = bisect_right(starts, row)  # the turns the log knows that start at or before this row
+            first = starts[known - 1] if known else row
+            number = min(max(num_turns - len(starts) + known, 1), max(num_turns, 1))
+            turns.append(SavedTurn(number, SavedPool.from_record(self.log.pools[row]), self._x_range(first, row)))
+        return turns
+
+    def _x_range(self, first: int, last: int) -> tuple[float, float] | None:
+        """The context positions that rows first..last ran (a prefill row ran its n_tokens up to its pos)."""
+        rows = self.log.rows[first:last + 1]
+        if not rows:
+            return None
+        return min(r[2] - r[3] + 1 for r in rows) - 0.5, max(r[2] for r in rows) + 0.5
+
+    def highlight(self, x_range: tuple[float, float] | None) -> None:
+        """Shade these context positions in both plots (the saved turn the block map shows); None: no shade."""
+        for region in self._regions:
+            region.setVisible(x_range is not None)
+            if x_range is not None:
+                region.setRegion(x_range)
+
     def abandon_turn(self) -> None:
         """The turn failed and the conversation is as it was before it: its points go too."""
         if self._turn_marks:
@@ -294,6 +331,7 @@ class MetricsPanel(QWidget):
                                                                         "anchors": [(0, 0), (0, 0)]})  # below it
         self.weights_line.hide()
         self.memory_plot.addItem(self.weights_line)
+        self._regions = [_turn_region(plot) for plot in (self.latency_plot, self.memory_plot)]
         self.weights_room = pg.PlotDataItem(pen=pg.mkPen(None))  # invisible: the autorange keeps the label's room
         self.weights_room.setLogMode(False, True)
         self.memory_plot.getPlotItem().vb.addItem(self.weights_room)

@@ -87,3 +87,13 @@ class SavedPool:
     @property
     def num_blocks_free(self) -> int:
         return self.block_states.count(FREE)
+
+
+@dataclass(frozen=True)
+class SavedTurn:
+    """A turn's saved pool: the turn's number in its conversation (1 for the first) and the context positions its
+    steps ran, (first, last), for the plots (None where not known)."""
+
+    number: int
+    pool: SavedPool
+    x_range: tuple[float, float] | None = None
