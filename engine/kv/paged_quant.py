@@ -1,5 +1,6 @@
 """The paged layout over quantized keys and values: 'paged-int8' (symmetric int8) and 'paged-int4' (KIVI-style
-asymmetric int4), each with float16 scales (engine/kv/quant.py).
+asymmetric int4), with float16 scales (int4's key scales two-level: 8 bits a channel under float16 supers;
+engine/kv/quant.py).
 
 Keys are quantized per channel over the tokens of one block, values per token, when a block leaves the
 sequence's full-precision window (engine/kv/quantized.py): int8 when the block fills, int4 once `residual`
