@@ -8,11 +8,7 @@ Skipped, with the reason, where Xvfb is not installed (see tests/test_app_xvfb.p
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
-from test_app_xvfb import ROOT, needs_xvfb, x_display  # noqa: F401 (x_display: the fixture)
+from test_app_xvfb import needs_xvfb, run_scenario, x_display  # noqa: F401 (x_display: the fixture)
 
 SCENARIO = r'''
 import json, sys, time
@@ -134,16 +130,7 @@ window.close()
 @needs_xvfb
 def test_branches_block_map_history_dialogs_and_focus_on_a_real_x_server(x_display, tmp_path,  # noqa: F811
                                                                           tiny_model_folder):
-    script = tmp_path / "scenario.py"
-    script.write_text(SCENARIO)
-    env = dict(x_display, XDG_DATA_HOME=str(tmp_path / "data"), XDG_CONFIG_HOME=str(tmp_path / "config"),
-               PYTHONPATH=str(ROOT))
-
-    result = subprocess.run([sys.executable, str(script), str(tmp_path), str(tiny_model_folder), str(tmp_path)],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-
-    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = run_scenario(x_display, tmp_path, SCENARIO, str(tmp_path), str(tiny_model_folder), str(tmp_path))
     assert report["platform"] == "xcb"
     assert report["after_edit"] == "2/2" and report["after_click"] == "1/2" and report["first_version_back"]
     assert report["deleted"] and report["rows_after_delete"] == 0
@@ -154,4 +141,3 @@ def test_branches_block_map_history_dialogs_and_focus_on_a_real_x_server(x_displ
     assert report["focus"] == {name: True for name in report["focus"]} and len(report["focus"]) == 14
     for shot in ("switched.png", "reopened.png", "save-dialog.png"):
         assert (tmp_path / shot).read_bytes()[:4] == b"\x89PNG"
-    assert "qt.qpa" not in result.stderr

@@ -6,11 +6,7 @@ Skipped, with the reason, where Xvfb is not installed (see tests/test_app_xvfb.p
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
-from test_app_xvfb import ROOT, needs_xvfb, x_display  # noqa: F401 (x_display: the fixture)
+from test_app_xvfb import needs_xvfb, run_scenario, x_display  # noqa: F401 (x_display: the fixture)
 
 SCENARIO = r'''
 import json, sys, time
@@ -68,17 +64,8 @@ window.close()
 
 @needs_xvfb
 def test_conversations_and_compare_on_a_real_x_server(x_display, tmp_path, tiny_model_folder):  # noqa: F811
-    script = tmp_path / "scenario.py"
-    script.write_text(SCENARIO)
     shot = tmp_path / "compare.png"
-    env = dict(x_display, XDG_DATA_HOME=str(tmp_path / "data"), XDG_CONFIG_HOME=str(tmp_path / "config"),
-               PYTHONPATH=str(ROOT))
-
-    result = subprocess.run([sys.executable, str(script), str(tmp_path), str(tiny_model_folder), str(shot)],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-
-    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = run_scenario(x_display, tmp_path, SCENARIO, str(tmp_path), str(tiny_model_folder), str(shot))
     assert report["platform"] == "xcb"
     assert report["same_positions"] and report["num_positions"] == 3 * 10
     assert report["agreement"] == f"100% of {3 * 11}"
@@ -86,4 +73,3 @@ def test_conversations_and_compare_on_a_real_x_server(x_display, tmp_path, tiny_
     assert report["rows_after_reopen"] == report["first_rows"] > 0
     assert report["listed"] == 1
     assert shot.read_bytes()[:4] == b"\x89PNG"
-    assert "qt.qpa" not in result.stderr

@@ -8,6 +8,7 @@ missing xcb library fails them with the apt-get line that fixes it: that is what
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -127,3 +128,18 @@ def test_the_app_starts_replies_and_draws_on_a_real_x_server(x_display, tmp_path
     assert (image.width(), image.height()) == (1440, 900)
     assert image.pixelColor(10, 450).lightness() < 60  # the dark theme, drawn by the X server's window
     assert "qt.qpa" not in result.stderr  # no platform plugin complaints
+
+
+def run_scenario(x_display: dict, tmp_path, scenario: str, *args: str) -> dict:
+    """Run a scenario script in its own process on the X server (xcb), with its data and settings under tmp_path;
+    it must exit 0 and print a JSON report as its last line, which is returned."""
+    script = tmp_path / "scenario.py"
+    script.write_text(scenario)
+    env = dict(x_display, XDG_DATA_HOME=str(tmp_path / "data"), XDG_CONFIG_HOME=str(tmp_path / "config"),
+               PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, str(script), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    assert "qt.qpa" not in result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
