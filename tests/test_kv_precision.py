@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.config import ConfigError, EngineConfig
-from engine.kv.precision import measure_attention, resolve
+from engine.kv.precision import fastest_or_smallest, measure_attention, resolve
 from tests.engine_helpers import greedy, one_torch_thread, run_turn
 from tests.test_batch_invariance import PROMPT, decode, same_bits
 from tests.test_weight_quality import english_ids, log_probs
@@ -67,6 +67,12 @@ def test_auto_picks_a_measured_precision_and_remembers_it(tmp_path):
     assert chosen in timings  # never a quantized precision: exact caches only
     assert resolve("auto", torch.device("cpu"), torch.float32, tmp_path) == chosen  # remembered: not re-measured
     assert resolve(None, torch.device("cpu"), torch.float32, tmp_path) == "float32"
+
+
+def test_auto_takes_the_smallest_precision_within_15_percent_of_the_fastest():
+    assert fastest_or_smallest({"float32": 100.0, "bfloat16": 114.0, "float16": 130.0}) == "bfloat16"
+    assert fastest_or_smallest({"float32": 100.0, "bfloat16": 116.0, "float16": 120.0}) == "float32"
+    assert fastest_or_smallest({"float32": 130.0, "bfloat16": 101.0, "float16": 100.0}) == "float16"  # same bytes
 
 
 @pytest.fixture(scope="module")

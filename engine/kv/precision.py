@@ -2,11 +2,10 @@
 
 float32, bfloat16, float16, int8 or int4 (engine/kv/quant.py; 'paged-int8' names paged + int8). `auto` is the
 fastest (the smallest among those within 15% of it), for the compiled attention on this machine, of the float
-precisions (they meet the quality bound of
-mean KL <= 0.0005 nats against a float32 cache on real English, tests/test_kv_precision.py, and stay exact across
-layouts, batches and chunkings; int8 meets the bound but is not exact, int4 meets neither), measured once over a
-synthetic cache and remembered like the weights' choice. Without the compiled kernels, or on another
-device, `auto` keeps the activations' dtype on the CPU and float16 elsewhere.
+precisions (they meet the quality bound of mean KL <= 0.0005 nats against a float32 cache on real English,
+tests/test_kv_precision.py, and stay exact across layouts, batches and chunkings; int8 meets the bound but is not
+exact, int4 meets neither), measured once over synthetic caches and remembered like the weights' choice. Without
+the compiled kernels, or on another device, `auto` keeps the activations' dtype on the CPU and float16 elsewhere.
 """
 
 from __future__ import annotations
