@@ -36,6 +36,7 @@ from engine.kv.chunks import FIRST_CHUNK_TOKENS, MAX_CHUNK_TOKENS, ChunkLayout, 
 
 @dataclass
 class Sequence:
+    seq_id: int  # the id the cache holds it under
     tokens: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)  # the block table: logical -> physical
     hashes: list[int] = field(default_factory=list)  # chained hash of each full block
@@ -199,7 +200,7 @@ class PagedCache(KVCache):
             PagedCache.release(self, seq_id)  # the blocks only: a subclass keeps its per-sequence state
         seq = self.seqs.get(seq_id)
         if seq is None:
-            seq = self.seqs[seq_id] = Sequence()
+            seq = self.seqs[seq_id] = Sequence(seq_id)
             if self.prefix_reuse:
                 self._share_cached_prefix(seq, token_ids)
         else:
@@ -275,7 +276,7 @@ class PagedCache(KVCache):
         self.release(dst)
         for block in parent.blocks:
             self.pool.share(block)
-        self.seqs[dst] = Sequence(list(parent.tokens), list(parent.blocks), list(parent.hashes))
+        self.seqs[dst] = Sequence(dst, list(parent.tokens), list(parent.blocks), list(parent.hashes))
 
     # ---- a step
     def begin_step(self, seq_ids, new_tokens):

@@ -62,7 +62,6 @@ class PagedQuantCache(PagedCache):
         sink = SINK[codec.name] if sink is None else sink
         self.state = QuantState(codec, self.block_size, residual, sink, self.config, self.dtype, self.device)
         self.sink_rows: OrderedDict[int, torch.Tensor] = OrderedDict()  # block hash -> its sink rows
-        self._ids: dict[int, int] = {}  # id() of each held Sequence -> its seq_id, kept beside self.seqs
 
     def _chunk_tensors(self, num_blocks: int, device) -> list[torch.Tensor]:
         """Key and value codes [L, Hkv, slots, W]; key scales [L, Hkv, blocks, (2,) D]; value scales
@@ -76,10 +75,7 @@ class PagedQuantCache(PagedCache):
     # ---- per sequence: the window and its boundary follow the blocks
     def prepare(self, seq_id, token_ids):
         fresh = seq_id not in self.seqs or not self.prefix_reuse
-        if not self.prefix_reuse:
-            self._untrack(seq_id)  # the pool starts a new Sequence
         held = super().prepare(seq_id, token_ids)
-        self._ids[id(self.seqs[seq_id])] = seq_id
         if fresh:
             self.state.start(seq_id, upto=held)  # blocks shared from the prefix cache hold their codes
             self._restore_sink(seq_id, self.seqs[seq_id])
@@ -107,7 +103,7 @@ class PagedQuantCache(PagedCache):
 
     def _register_full_blocks(self, seq: Sequence, accepted: int) -> None:
         """Only blocks that hold their codes are shared: one still in the window has none yet."""
-        state = self.state.seqs.get(self._seq_id(seq))
+        state = self.state.seqs.get(seq.seq_id)
         before = len(seq.hashes)
         super()._register_full_blocks(seq, min(accepted, state.upto if state else 0))
         bs = self.block_size
@@ -120,7 +116,7 @@ class PagedQuantCache(PagedCache):
             self.sink_rows.popitem(last=False)
 
     def _keep_tokens(self, seq: Sequence, keep: int) -> None:
-        seq_id = self._seq_id(seq)
+        seq_id = seq.seq_id
         if seq_id in self.state.seqs:
             block_of = lambda layer, p: self._block_codes(layer, seq.blocks[p // self.block_size])  # noqa: E731
             self.state.truncate(seq_id, keep, block_of)
@@ -131,23 +127,13 @@ class PagedQuantCache(PagedCache):
         stores = [[by_layer[layer]] for by_layer in self.layers[chunk]]  # this chunk's tensors at the layer
         return self.state.block(stores, 0, offset * self.block_size)
 
-    def _seq_id(self, seq: Sequence) -> int:
-        return self._ids[id(seq)]
-
-    def _untrack(self, seq_id: int) -> None:
-        seq = self.seqs.get(seq_id)
-        if seq is not None:
-            self._ids.pop(id(seq), None)
-
     def release(self, seq_id):
-        self._untrack(seq_id)
         self.state.release(seq_id)
         super().release(seq_id)
 
     def fork(self, src: int, dst: int) -> None:
         """As the float pool: dst shares src's blocks; its full-precision window is copied."""
         self._fork_blocks(src, dst)
-        self._ids[id(self.seqs[dst])] = dst
         self.state.fork(src, dst)
 
     # ---- figures
