@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -17,9 +18,21 @@ from engine.config import ConfigError, ModelConfig
 from engine.kv.attention import LayerAttention
 from engine.kv.base import StepView
 from engine.weights.formats import QuantizedWeight
-from engine.weights.linear import FloatLinear, WeightLinear, build_linear
+from engine.weights.linear import DECODE_ROWS, FloatLinear, WeightLinear, build_linear
 
 Weight = torch.Tensor | QuantizedWeight
+_one_call = True  # decode layers run as one compiled call where they can
+
+
+@contextlib.contextmanager
+def op_by_op() -> Iterator[None]:
+    """Inside the block every layer runs op by op (what the one-call layer must equal, bit for bit)."""
+    global _one_call
+    before, _one_call = _one_call, False
+    try:
+        yield
+    finally:
+        _one_call = before
 
 
 def placeholder(out_features: int, in_features: int) -> WeightLinear:
@@ -203,6 +216,13 @@ class DecoderLayer(nn.Module):
     def forward(self, x, normed, cos, sin, view: StepView, layer: int, next_norm: RMSNorm) -> torch.Tensor:
         """x: the residual stream [B, T, H], updated in place; normed: x through this layer's input norm.
         Returns x through next_norm (the next layer's input norm, or the final norm)."""
+        one_call = self.one_call(normed, view, layer, next_norm)
+        if one_call is not None:  # a decode step through the compiled kernels: the whole layer in one call
+            ops, weights, kv = one_call
+            a = self.self_attn
+            return ops.decoder_layer(x, normed, cos, sin, *weights,
+                                     [self.post_attention_layernorm.weight, next_norm.weight],
+                                     next_norm.eps, a.num_heads, a.num_kv_heads, *kv)
         # children called through forward: a step makes hundreds of these calls, nn.Module's hooks add up
         attended = self.self_attn.forward(normed, cos, sin, view, layer)
         if not self.sandwich:
@@ -210,6 +230,34 @@ class DecoderLayer(nn.Module):
             return next_norm.add_and_norm(x, self.mlp.forward(normed))
         normed = self.pre_feedforward_layernorm.add_and_norm(x, self.post_attention_layernorm.forward(attended))
         return next_norm.add_and_norm(x, self.post_feedforward_layernorm.forward(self.mlp.forward(normed)))
+
+    def one_call(self, normed: torch.Tensor, view: StepView, layer: int, next_norm: RMSNorm):
+        """(ops, weights, kv) for the kernels' decoder_layer when this step's layer can run as one call (a decode
+        step's rows, float32 activations, compiled projections, a plain layer, a layout that hands over its
+        stores), else None: the same kernels, in the same order, so the same bits as op by op."""
+        if not _one_call or normed.numel() > DECODE_ROWS * normed.shape[-1]:
+            return None
+        ops = kernels.for_activations(normed)
+        weights = self.one_call_weights() if ops is not None and next_norm.eps == self.post_attention_layernorm.eps \
+            else None
+        kv = view.fused_kv(layer) if weights is not None else None
+        return None if kv is None else (ops, weights, kv)
+
+    def one_call_weights(self) -> tuple[list[torch.Tensor], list[int]] | None:
+        """The four projections' kernel tensors (qkv, o, gate_up, down) and how many each has; None where the layer
+        has a part the one call does not do (biases, q/k norms, sandwich norms, GeGLU, its own attention)."""
+        if "_one_call" not in self.__dict__:
+            a, m = self.self_attn, self.mlp
+            projections = [a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj]
+            plain = not (self.sandwich or m.gelu or a.qkv_bias is not None or a.q_norm is not None or a.spec)
+            compiled = plain and all(p.compiled is not None for p in projections)
+            tensors = [p.kernel_args() for p in projections] if compiled else None
+            self.__dict__["_one_call"] = tensors and ([t for ts in tensors for t in ts], [len(ts) for ts in tensors])
+        return self.__dict__["_one_call"]
+
+    def _apply(self, fn, recurse=True):  # .to() and friends replace the tensors: look them up again
+        self.__dict__.pop("_one_call", None)
+        return super()._apply(fn, recurse)
 
 
 class LlamaModel(nn.Module):

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from engine import kernels
 from engine.config import BLOCK_SIZES, EngineConfig
 from engine.engine import Engine
-from engine.model import LlamaModel
+from engine.model import LlamaModel, op_by_op
 from engine.weights.convert import to_format
 from engine.weights.formats import QuantizedWeight, quantize_int4, quantize_int8
 from engine.weights.linear import build_linear
@@ -180,18 +180,56 @@ def ops_in_a_decode_step(tiny_config, tokenizer, cache: str, num_layers: int) ->
     return counter.ops
 
 
-@pytest.mark.parametrize("cache", ["contiguous", "paged", "paged-int8"])
-def test_a_decode_step_runs_few_ops_per_layer(tiny_config, tokenizer, cache):
-    """The lean step: every op the dispatcher runs, counted (and printed) per layer and outside the layers."""
+def ops_per_layer(tiny_config, tokenizer, cache: str) -> tuple[int, collections.Counter]:
+    """Every op the dispatcher runs in a decode step, per layer (and printed with those outside the layers)."""
     two, four = (ops_in_a_decode_step(tiny_config, tokenizer, cache, n) for n in (2, 4))
     per_layer = (len(four) - len(two)) // 2
-    layer_ops = collections.Counter(four) - collections.Counter(two)
+    added = collections.Counter(four) - collections.Counter(two)
+    layer_ops = collections.Counter({op: n // 2 for op, n in added.items()})
     print(f"\n{cache}: {per_layer} ops per layer {dict(sorted(layer_ops.items()))}, "
           f"{len(two) - 2 * per_layer} outside the layers")
+    return per_layer, layer_ops
+
+
+@pytest.mark.parametrize("cache", ["contiguous", "paged", "paged-int8"])
+def test_a_decode_step_runs_each_layer_as_one_call(tiny_config, tokenizer, cache):
+    """The lean step: a decode layer is one compiled call (projections, rotary, KV write, attention, norms)."""
+    per_layer, layer_ops = ops_per_layer(tiny_config, tokenizer, cache)
+    assert layer_ops == {"kvscope.decoder_layer": 1} and per_layer == 1
+
+
+@pytest.mark.parametrize("cache", ["contiguous", "paged", "paged-int8"])
+def test_op_by_op_a_decode_layer_runs_few_ops(tiny_config, tokenizer, cache):
+    with op_by_op():
+        per_layer, layer_ops = ops_per_layer(tiny_config, tokenizer, cache)
     attention = "kvscope.attention_quant" if cache == "paged-int8" else "kvscope.attention"
     assert {attention: 1, "kvscope.int4_linear": 4, "kvscope.rope_qkv": 1, "kvscope.silu_mul": 1,
-            "kvscope.add_rms_norm": 2}.items() <= {k: v // 2 for k, v in layer_ops.items()}.items()
+            "kvscope.add_rms_norm": 2}.items() <= layer_ops.items()
     assert per_layer <= 16
+
+
+def batch_and_verify(engine: Engine) -> list:
+    """Three sequences decoding in one batch, then a verify step of four rows: every step's logits."""
+    prompts = {1: PROMPT, 2: list(range(500, 530)), 3: list(range(700, 777))}
+    out = []
+    for seq_id, prompt in prompts.items():
+        engine.cache.prepare(seq_id, prompt)
+        out.append(engine.step([seq_id], [prompt])[0])
+    for step in range(STEPS):
+        out.extend(engine.step([1, 2, 3], [[7 + step], [11 + step], [13 + step]]))
+    out.extend(engine.step([2], [[3, 4, 5, 6]], all_logits=True))
+    return out
+
+
+@pytest.mark.parametrize("cache", ["contiguous", "paged", "paged-int8", "paged-int4", "contiguous-int4", "paged-bf16"])
+@pytest.mark.parametrize("fmt", ["int4", "int8", "float32", "bfloat16"])
+def test_the_one_call_layer_gives_the_bits_of_op_by_op(tiny_config, tokenizer, cache, fmt):
+    layout, _, precision = cache.partition("-")
+    kv = {"kv_dtype": {"bf16": "bfloat16"}.get(precision, precision)} if precision else {}
+    one_call = batch_and_verify(tiny_engine(tiny_config, tokenizer, fmt, cache=layout, **kv))
+    with op_by_op():
+        reference = batch_and_verify(tiny_engine(tiny_config, tokenizer, fmt, cache=layout, **kv))
+    assert same_bits(one_call, reference)
 
 
 def test_the_default_weights_format_keeps_the_heads_int8_codes(tiny_config):

@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -1745,6 +1746,69 @@ at::Tensor attention_quant(const at::Tensor& q, std::vector<at::Tensor> k_stores
                                               {v_windows}, map, hkv, up, residual, ring, sink});
 }
 
+// ---------------------------------------------------------------- one decoder layer of a decode step, in one call
+// The same kernels as the per-op path, called in the same order on the same tensors (so the same bits), without
+// a trip through Python and the dispatcher between them: a step of a small model makes ~10 such trips per layer.
+// weights: the four projections' tensors in turn (qkv, o, gate_up, down), parts[i] of them each: 1 = float
+// weights, 2 = int8 (codes, scales), 3 = int4 (codes, scales, minimums). norms: after attention, and the next
+// layer's input norm. kv: the layer's stores, in groups of kv_parts[i] tensors (float caches: key stores, value
+// stores; quantized caches: key codes, value codes, key params, value params, key windows, value windows);
+// where: table, block_store, block_start, q_pos, then store_of and slot_of (float) or upto (quantized);
+// ints: block_size, then residual, sink and bits (quantized).
+at::Tensor project(const at::Tensor& x, const std::vector<at::Tensor>& w, size_t first, int64_t parts) {
+  switch (parts) {
+    case 1: return float_linear(x, w[first]);
+    case 2: return int8_linear(x, w[first], w[first + 1]);
+    case 3: return int4_linear(x, w[first], w[first + 1], w[first + 2]);
+    default: TORCH_CHECK(false, "a projection has 1 (float), 2 (int8) or 3 (int4) tensors");
+  }
+}
+
+std::vector<std::vector<at::Tensor>> groups_of(const std::vector<at::Tensor>& flat, const std::vector<int64_t>& parts) {
+  std::vector<std::vector<at::Tensor>> out;
+  size_t at = 0;
+  for (int64_t n : parts) {
+    TORCH_CHECK(n >= 0 && at + n <= flat.size(), "kv_parts do not add up to the kv tensors");
+    out.emplace_back(flat.begin() + at, flat.begin() + at + n);
+    at += n;
+  }
+  TORCH_CHECK(at == flat.size(), "kv_parts do not add up to the kv tensors");
+  return out;
+}
+
+at::Tensor attend_layer(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::vector<at::Tensor>& kv,
+                        const std::vector<int64_t>& kv_parts, const std::vector<at::Tensor>& where,
+                        const std::vector<int64_t>& ints) {
+  auto g = groups_of(kv, kv_parts);
+  TORCH_CHECK((g.size() == 2 && where.size() == 6 && ints.size() == 1) ||
+                  (g.size() == 6 && where.size() == 5 && ints.size() == 4),
+              "kv: 2 groups (float) or 6 (quantized), with their where and ints");
+  if (g.size() == 2) {
+    write_kv(g[0], g[1], k, v, where[4], where[5]);
+    return attention(q, g[0], g[1], where[0], where[1], where[2], ints[0], where[3]);
+  }
+  write_kv_quant(g[0], g[1], g[2], g[3], g[4], g[5], k, v, where[0], where[1], where[2], ints[0], where[3], where[4],
+                 ints[1], ints[2], ints[3]);
+  return attention_quant(q, g[0], g[1], g[2], g[3], g[4], g[5], where[0], where[1], where[2], ints[0], where[3],
+                         where[4], ints[1], ints[2], ints[3]);
+}
+
+at::Tensor decoder_layer(at::Tensor x, const at::Tensor& normed, const at::Tensor& cos, const at::Tensor& sin,
+                         std::vector<at::Tensor> weights, std::vector<int64_t> parts, std::vector<at::Tensor> norms,
+                         double eps, int64_t hq, int64_t hkv, std::vector<at::Tensor> kv, std::vector<int64_t> kv_parts,
+                         std::vector<at::Tensor> where, std::vector<int64_t> ints) {
+  TORCH_CHECK(parts.size() == 4 && norms.size() == 2, "four projections (qkv, o, gate_up, down) and two norms");
+  std::array<size_t, 4> first{};
+  for (size_t i = 1; i < 4; ++i) first[i] = first[i - 1] + parts[i - 1];
+  TORCH_CHECK(first[3] + parts[3] == weights.size(), "parts do not add up to the weight tensors");
+  TORCH_CHECK(cos.dim() == 4 && sin.dim() == 4, "cos, sin: [B, 1, T, D]");
+  auto qkv = rope_qkv(project(normed, weights, first[0], parts[0]), cos.select(1, 0), sin.select(1, 0), hq, hkv);
+  auto attended = attend_layer(qkv[0], qkv[1], qkv[2], kv, kv_parts, where, ints);  // [B, T, Hq * D]
+  auto mid = add_rms_norm(x, project(attended, weights, first[1], parts[1]), norms[0], eps);
+  auto gated = silu_mul(project(mid, weights, first[2], parts[2]));
+  return add_rms_norm(x, project(gated, weights, first[3], parts[3]), norms[1], eps);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvscope, m) {
@@ -1766,4 +1830,7 @@ TORCH_LIBRARY(kvscope, m) {
   m.def("attention_quant(Tensor q, Tensor[] k_stores, Tensor[] v_stores, Tensor[] k_params, Tensor[] v_params, "
         "Tensor[] k_windows, Tensor[] v_windows, Tensor table, Tensor block_store, Tensor block_start, "
         "int block_size, Tensor q_pos, Tensor upto, int residual, int sink, int bits) -> Tensor", &attention_quant);
+  m.def("decoder_layer(Tensor(a!) x, Tensor normed, Tensor cos, Tensor sin, Tensor[] weights, int[] parts, "
+        "Tensor[] norms, float eps, int hq, int hkv, Tensor(b!)[] kv, int[] kv_parts, Tensor[] where, "
+        "int[] ints) -> Tensor", &decoder_layer);
 }

@@ -87,6 +87,13 @@ class KeyMap:
         return cls.build([[i] for i in range(n)], stores, torch.zeros_like(stores), max(capacities), past, n_new,
                          device)
 
+    def fused_kv(self, k_stores: list[torch.Tensor], v_stores: list[torch.Tensor]):
+        """A float layout's stores and this map as the one-call layer takes them (engine.kv.base.FusedKV)."""
+        if k_stores[0].dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return None
+        where = [self.table, self.block_store, self.block_start, self.q_pos, self.store_of, self.slot_of]
+        return [*k_stores, *v_stores], [len(k_stores), len(v_stores)], where, [self.block_size]
+
     def gather_plan(self, num_stores: int) -> list:
         """Per store: (slots to read, where they go in the padded [B * S_pad] key order); and S_pad."""
         if self._gather is None:

@@ -40,6 +40,8 @@ class KVStats:
     bytes_window: int = 0  # of bytes_used: a quantized cache's newest tokens, kept in full precision per sequence
     precision: str = ""  # what keys and values are stored as: float32, bfloat16, float16, int8, int4
 
+FusedKV = tuple[list[torch.Tensor], list[int], list[torch.Tensor], list[int]]  # stores, their groups, where, ints
+
 BLOCK_FREE, BLOCK_OWN, BLOCK_OTHER, BLOCK_CACHED = 0, 1, 2, 3
 
 
@@ -60,6 +62,11 @@ class StepView(ABC):
                spec: LayerAttention | None = None) -> torch.Tensor:
         """q: [B, Hq, T, D]; k, v: [B, Hkv, T, D] for the new tokens -> the attended values [B, T, Hq * D].
         spec: the layer's own scale / sliding window / soft-cap (None: plain causal attention)."""
+
+    def fused_kv(self, layer: int) -> FusedKV | None:
+        """What the one-call layer (the kernels' decoder_layer) needs to write and attend at this layer, or None
+        where this layout attends only through attend() (then the layer runs op by op)."""
+        return None
 
 
 class KVCache(ABC):

@@ -42,6 +42,9 @@ class ContiguousView(StepView):
         write(keys, values, k, v, self.keys)
         return attend(q, keys, values, self.keys, spec)
 
+    def fused_kv(self, layer):
+        return self.keys.fused_kv([b.k_layers[layer] for b in self.buffers], [b.v_layers[layer] for b in self.buffers])
+
 
 class ContiguousCache(KVCache):
     """The article's naive KV cache: memory reserved up front, whatever the sequence ends up using.

@@ -74,6 +74,10 @@ class ContiguousQuantView(StepView):
         dequantized = KeyMap.one_store_each(self.kv_len, self.past, self.n_new, c.device)
         return attend(q, [k for k, _ in held], [v for _, v in held], dequantized, spec)
 
+    def fused_kv(self, layer):
+        stores = [[buf.layers[t][layer] for buf in self.buffers] for t in range(4)]
+        return self.cache.state.fused_kv(stores, self.seq_ids, layer, self.keys, self.upto)
+
 
 class ContiguousQuantCache(ContiguousCache):
     """codec: quant.INT8 or quant.INT4 (named contiguous-int8, contiguous-int4); residual, sink as PagedQuantCache."""

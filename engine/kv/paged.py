@@ -66,6 +66,9 @@ class PagedView(StepView):
         write(keys, values, k, v, self.keys)
         return attend(q, keys, values, self.keys, spec)
 
+    def fused_kv(self, layer):
+        return self.keys.fused_kv(self.cache.layer_stores(0, layer), self.cache.layer_stores(1, layer))
+
 
 @dataclass
 class ReadPlan:

@@ -45,6 +45,10 @@ class QuantView(PagedView):
         dequantized = KeyMap.one_store_each(self.kv_len, self.past, self.n_new, c.device)
         return attend(q, [k for k, _ in held], [v for _, v in held], dequantized, spec)
 
+    def fused_kv(self, layer):
+        stores = [self.cache.layer_stores(i, layer) for i in range(4)]
+        return self.cache.state.fused_kv(stores, self.seq_ids, layer, self.keys, self.upto)
+
 
 class PagedQuantCache(PagedCache):
     """codec: quant.INT8 or quant.INT4 (the cache's name says which: paged-int8, paged-int4); residual: tokens

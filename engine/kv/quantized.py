@@ -16,7 +16,7 @@ shares its first blocks from the prefix cache takes their sink rows from `SinkCa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,10 @@ SINK = {"int8": 0, "int4": 32}  # the first tokens, kept in full precision
 class Held:
     window: torch.Tensor  # [2 (K, V), L, Hkv, sink + residual + block_size, D]: the sink's rows, then the ring
     upto: int = 0  # positions below it are held as codes
+    layers: list[tuple[torch.Tensor, torch.Tensor]] = field(init=False)  # views of the window: (K, V) per layer
+
+    def __post_init__(self):
+        self.layers = list(zip(self.window[0].unbind(0), self.window[1].unbind(0)))  # [Hkv, rows, D] each
 
 
 class QuantState:
@@ -96,12 +100,24 @@ class QuantState:
         """Write the step's keys and values (as StepView.attend takes them), quantizing the blocks that leave
         the windows, then attend over codes and windows. stores: per storage tensor (key codes, value codes,
         key scales, value scales) the [Hkv, ...] store of each store index of `keys`; upto: int32 [B]."""
-        windows = [self.seqs[s].window[:, layer] for s in seq_ids]  # [2, Hkv, rows, D] each
-        k_windows, v_windows = [w[0] for w in windows], [w[1] for w in windows]
+        k_windows, v_windows = self.windows(seq_ids, layer)
         where = (keys.table, keys.block_store, keys.block_start, self.block_size, keys.q_pos, upto, self.residual)
         ops.write_kv_quant(*stores, k_windows, v_windows, k.contiguous(), v.contiguous(), *where, self.sink,
                            self.codec.bits)
         return ops.attention_quant(q.contiguous(), *stores, k_windows, v_windows, *where, self.sink, self.codec.bits)
+
+    def windows(self, seq_ids: list[int], layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each sequence's full-precision rows at one layer: keys, values [Hkv, rows, D] per sequence."""
+        windows = [self.seqs[s].layers[layer] for s in seq_ids]
+        return [k for k, _ in windows], [v for _, v in windows]
+
+    def fused_kv(self, stores: list[list[torch.Tensor]], seq_ids: list[int], layer: int, keys: KeyMap,
+                 upto: torch.Tensor):
+        """attend_compiled's arguments as the one-call layer takes them (engine.kv.base.FusedKV)."""
+        groups = [*stores, *self.windows(seq_ids, layer)]
+        where = [keys.table, keys.block_store, keys.block_start, keys.q_pos, upto]
+        return ([t for g in groups for t in g], [len(g) for g in groups], where,
+                [self.block_size, self.residual, self.sink, self.codec.bits])
 
     # ---- the pure PyTorch path (the same codes, in tensors)
     def write(self, layer: int, stores: list[list[torch.Tensor]], seq_id: int, locate, past: int,
