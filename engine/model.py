@@ -8,6 +8,7 @@ import contextlib
 import ctypes
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -196,6 +197,32 @@ class MLP(nn.Module):
         return self.down_proj.forward(gated * up)
 
 
+@dataclass
+class OneCall:
+    """A layer's arguments for the kernels' decoder_layer: the four projections' kernel tensors (qkv, o, gate_up,
+    down) and how many each has, the two norms after attention and before the next layer, and the heads."""
+
+    ops: object
+    weights: list[torch.Tensor]
+    parts: list[int]
+    norms: list[torch.Tensor]
+    eps: float
+    num_heads: int
+    num_kv_heads: int
+
+    @classmethod
+    def of(cls, layer: DecoderLayer, next_norm: RMSNorm) -> OneCall | None:
+        a, m, post = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+        projections = [a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj]
+        ops = kernels.ops()
+        plain = not (layer.sandwich or m.gelu or a.qkv_bias is not None or a.q_norm is not None or a.spec)
+        if ops is None or not plain or next_norm.eps != post.eps or any(p.compiled is None for p in projections):
+            return None
+        tensors = [p.kernel_args() for p in projections]
+        return cls(ops, [t for ts in tensors for t in ts], [len(ts) for ts in tensors], [post.weight, next_norm.weight],
+                   post.eps, a.num_heads, a.num_kv_heads)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP; with sandwich norms (Gemma 2/3) each branch's output is normed too, and the
     norm before the MLP is pre_feedforward_layernorm (Hugging Face's names)."""
@@ -216,13 +243,13 @@ class DecoderLayer(nn.Module):
     def forward(self, x, normed, cos, sin, view: StepView, layer: int, next_norm: RMSNorm) -> torch.Tensor:
         """x: the residual stream [B, T, H], updated in place; normed: x through this layer's input norm.
         Returns x through next_norm (the next layer's input norm, or the final norm)."""
-        one_call = self.one_call(normed, view, layer, next_norm)
-        if one_call is not None:  # a decode step through the compiled kernels: the whole layer in one call
-            ops, weights, kv = one_call
-            a = self.self_attn
-            return ops.decoder_layer(x, normed, cos, sin, *weights,
-                                     [self.post_attention_layernorm.weight, next_norm.weight],
-                                     next_norm.eps, a.num_heads, a.num_kv_heads, *kv)
+        plan = self.one_call_plan(next_norm)
+        if plan and _one_call and normed.dtype == torch.float32 and normed.device.type == "cpu" \
+                and normed.numel() <= DECODE_ROWS * normed.shape[-1] and kernels.ops() is not None:  # decode rows
+            kv = view.fused_kv(layer)
+            if kv is not None:  # the whole layer in one call
+                return plan.ops.decoder_layer(x, normed, cos, sin, plan.weights, plan.parts, plan.norms, plan.eps,
+                                              plan.num_heads, plan.num_kv_heads, *kv)
         # children called through forward: a step makes hundreds of these calls, nn.Module's hooks add up
         attended = self.self_attn.forward(normed, cos, sin, view, layer)
         if not self.sandwich:
@@ -231,29 +258,14 @@ class DecoderLayer(nn.Module):
         normed = self.pre_feedforward_layernorm.add_and_norm(x, self.post_attention_layernorm.forward(attended))
         return next_norm.add_and_norm(x, self.post_feedforward_layernorm.forward(self.mlp.forward(normed)))
 
-    def one_call(self, normed: torch.Tensor, view: StepView, layer: int, next_norm: RMSNorm):
-        """(ops, weights, kv) for the kernels' decoder_layer when this step's layer can run as one call (a decode
-        step's rows, float32 activations, compiled projections, a plain layer, a layout that hands over its
-        stores), else None: the same kernels, in the same order, so the same bits as op by op."""
-        if not _one_call or normed.numel() > DECODE_ROWS * normed.shape[-1]:
-            return None
-        ops = kernels.for_activations(normed)
-        weights = self.one_call_weights() if ops is not None and next_norm.eps == self.post_attention_layernorm.eps \
-            else None
-        kv = view.fused_kv(layer) if weights is not None else None
-        return None if kv is None else (ops, weights, kv)
-
-    def one_call_weights(self) -> tuple[list[torch.Tensor], list[int]] | None:
-        """The four projections' kernel tensors (qkv, o, gate_up, down) and how many each has; None where the layer
-        has a part the one call does not do (biases, q/k norms, sandwich norms, GeGLU, its own attention)."""
-        if "_one_call" not in self.__dict__:
-            a, m = self.self_attn, self.mlp
-            projections = [a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj]
-            plain = not (self.sandwich or m.gelu or a.qkv_bias is not None or a.q_norm is not None or a.spec)
-            compiled = plain and all(p.compiled is not None for p in projections)
-            tensors = [p.kernel_args() for p in projections] if compiled else None
-            self.__dict__["_one_call"] = tensors and ([t for ts in tensors for t in ts], [len(ts) for ts in tensors])
-        return self.__dict__["_one_call"]
+    def one_call_plan(self, next_norm: RMSNorm) -> OneCall | None:
+        """What the kernels' decoder_layer takes for this layer, looked up once; None where the layer has a part
+        the one call does not do (biases, q/k norms, sandwich norms, GeGLU, its own attention, a projection
+        without a compiled kernel): then it runs op by op, through the same kernels."""
+        plan = self.__dict__.get("_one_call", False)
+        if plan is False:
+            plan = self.__dict__["_one_call"] = OneCall.of(self, next_norm)
+        return plan
 
     def _apply(self, fn, recurse=True):  # .to() and friends replace the tensors: look them up again
         self.__dict__.pop("_one_call", None)

@@ -623,6 +623,109 @@ inline void weigh_values(const float* e, const T* const* v, int64_t n, float* ou
   for (int64_t p = 0; p < n; ++p) axpy<T>(e[p], v[p], out, d);
 }
 
+#ifdef KVSCOPE_AVX2
+// score_keys for NV query vectors that see the same keys (one KV head's group at one position): each key is loaded
+// and converted once for all of them; every score is summed exactly as score_keys sums it (the same bits).
+// q[v]: the vectors; k: n <= 4 key rows; out[v]: where vector v's n scores go.
+template <typename T, int NV>
+inline void score_four_keys(const float* const* q, const T* const* k, int64_t n, int64_t d, float* const* out) {
+  const T* r[4];
+  for (int64_t j = 0; j < 4; ++j) r[j] = k[std::min<int64_t>(j, n - 1)];
+  __m256 acc[NV][4];
+  {
+    __m256 k0 = Load<T>::v8(r[0]), k1 = Load<T>::v8(r[1]), k2 = Load<T>::v8(r[2]), k3 = Load<T>::v8(r[3]);
+    for (int v = 0; v < NV; ++v) {
+      __m256 qv = _mm256_loadu_ps(q[v]);
+      acc[v][0] = _mm256_mul_ps(qv, k0), acc[v][1] = _mm256_mul_ps(qv, k1);
+      acc[v][2] = _mm256_mul_ps(qv, k2), acc[v][3] = _mm256_mul_ps(qv, k3);
+    }
+  }
+  for (int64_t j = 8; j < d; j += 8) {
+    __m256 k0 = Load<T>::v8(r[0] + j), k1 = Load<T>::v8(r[1] + j), k2 = Load<T>::v8(r[2] + j), k3 = Load<T>::v8(r[3] + j);
+    for (int v = 0; v < NV; ++v) {
+      __m256 qv = _mm256_loadu_ps(q[v] + j);
+      acc[v][0] = _mm256_fmadd_ps(qv, k0, acc[v][0]), acc[v][1] = _mm256_fmadd_ps(qv, k1, acc[v][1]);
+      acc[v][2] = _mm256_fmadd_ps(qv, k2, acc[v][2]), acc[v][3] = _mm256_fmadd_ps(qv, k3, acc[v][3]);
+    }
+  }
+  for (int v = 0; v < NV; ++v) {
+    alignas(16) float four[4];
+    _mm_store_ps(four, hsum4(acc[v][0], acc[v][1], acc[v][2], acc[v][3]));
+    for (int64_t j = 0; j < n; ++j) out[v][j] = four[j];
+  }
+}
+
+// weigh_values for NV vectors over the same n value rows: out_v[0..d) += sum over p of e_v[p] * v[p], each row
+// loaded and converted once for all of them, 32 channels at a time; every sum in weigh_values' order (same bits)
+template <typename T, int NV>
+inline void weigh_rows(const float* const* e, const T* const* v, int64_t n, float* const* out, int64_t d) {
+  int64_t c = 0;
+  for (; c + 32 <= d; c += 32) {
+    __m256 acc[NV][4];
+    for (int u = 0; u < NV; ++u)
+      for (int j = 0; j < 4; ++j) acc[u][j] = _mm256_loadu_ps(out[u] + c + 8 * j);
+    for (int64_t p = 0; p < n; ++p) {
+      __m256 v0 = Load<T>::v8(v[p] + c), v1 = Load<T>::v8(v[p] + c + 8);
+      __m256 v2 = Load<T>::v8(v[p] + c + 16), v3 = Load<T>::v8(v[p] + c + 24);
+      for (int u = 0; u < NV; ++u) {
+        __m256 w = _mm256_set1_ps(e[u][p]);
+        acc[u][0] = _mm256_fmadd_ps(w, v0, acc[u][0]), acc[u][1] = _mm256_fmadd_ps(w, v1, acc[u][1]);
+        acc[u][2] = _mm256_fmadd_ps(w, v2, acc[u][2]), acc[u][3] = _mm256_fmadd_ps(w, v3, acc[u][3]);
+      }
+    }
+    for (int u = 0; u < NV; ++u)
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out[u] + c + 8 * j, acc[u][j]);
+  }
+  for (; c < d; c += 8) {
+    __m256 acc[NV];
+    for (int u = 0; u < NV; ++u) acc[u] = _mm256_loadu_ps(out[u] + c);
+    for (int64_t p = 0; p < n; ++p) {
+      __m256 v0 = Load<T>::v8(v[p] + c);
+      for (int u = 0; u < NV; ++u) acc[u] = _mm256_fmadd_ps(_mm256_set1_ps(e[u][p]), v0, acc[u]);
+    }
+    for (int u = 0; u < NV; ++u) _mm256_storeu_ps(out[u] + c, acc[u]);
+  }
+}
+#endif
+
+// Query vectors that share their keys, three at a time: vectors first..first+count-1 of a tile's task (one query
+// row's group of heads, at one position), with what each reads and writes (stride apart).
+template <typename T>
+inline void score_group(const float* q, int64_t count, int64_t d, const T* const* k, int64_t n, float* scores,
+                        int64_t padded) {
+#ifdef KVSCOPE_AVX2
+  for (int64_t a = 0; a < count; a += 3) {
+    const float* qv[3];
+    float* out[3];
+    int64_t nv = std::min<int64_t>(3, count - a);
+    for (int64_t u = 0; u < nv; ++u) qv[u] = q + (a + u) * d, out[u] = scores + (a + u) * padded;
+    if (nv == 3) score_four_keys<T, 3>(qv, k, n, d, out);
+    if (nv == 2) score_four_keys<T, 2>(qv, k, n, d, out);
+    if (nv == 1) score_four_keys<T, 1>(qv, k, n, d, out);
+  }
+#else
+  for (int64_t a = 0; a < count; ++a) score_keys(q + a * d, k, n, d, scores + a * padded);
+#endif
+}
+
+template <typename T>
+inline void weigh_group(const float* e, int64_t padded, int64_t count, const T* const* v, int64_t n, float* part,
+                        int64_t stride, int64_t d) {
+#ifdef KVSCOPE_AVX2
+  for (int64_t a = 0; a < count; a += 3) {
+    const float* ev[3];
+    float* out[3];
+    int64_t nv = std::min<int64_t>(3, count - a);
+    for (int64_t u = 0; u < nv; ++u) ev[u] = e + (a + u) * padded, out[u] = part + (a + u) * stride;
+    if (nv == 3) weigh_rows<T, 3>(ev, v, n, out, d);
+    if (nv == 2) weigh_rows<T, 2>(ev, v, n, out, d);
+    if (nv == 1) weigh_rows<T, 1>(ev, v, n, out, d);
+  }
+#else
+  for (int64_t a = 0; a < count; ++a) weigh_values(e + a * padded, v, n, part + a * stride, d);
+#endif
+}
+
 // each vector's partial: its maximum score, the softmax weights in place of its scores (and their sum), and
 // zeroed values to accumulate into; a vector with no key in the tile (last < 0) keeps -inf and 0
 inline void start_partials(float* part, float* scores, const int64_t* last, int64_t nq, int64_t padded, int64_t d) {
@@ -658,17 +761,17 @@ void attend_tile(const float* q, float* part, const K& keys, const V& values, co
     // ahead of their use: the next keys into L1, the values at the same pace into L2 (read after the softmax)
     for (int64_t a = p + 4 * KEYS_AT_ONCE; a < std::min(n, p + 5 * KEYS_AT_ONCE); ++a)
       prefetch_row(rows_k[a], rows_v[a], d * static_cast<int64_t>(sizeof(TK)));
-    for (int64_t i = 0; i < nq; ++i)
-      if (p <= last[i])
-        score_keys(q + i * d, rows_k.data() + p, std::min(KEYS_AT_ONCE, last[i] + 1 - p), d,
-                   scores.data() + i * padded + p);
+    for (int64_t r = 0; r < rows; ++r)  // a row's group of vectors shares its position, so its keys
+      if (p <= last[r * group])
+        score_group(q + r * group * d, group, d, rows_k.data() + p, std::min(KEYS_AT_ONCE, last[r * group] + 1 - p),
+                    scores.data() + r * group * padded + p, padded);
   }
   start_partials(part, scores.data(), last.data(), nq, padded, d);
   for (int64_t p = 0; p < n; p += VALUES_AT_ONCE)
-    for (int64_t i = 0; i < nq; ++i)
-      if (p <= last[i])
-        weigh_values(scores.data() + i * padded + p, rows_v.data() + p, std::min(VALUES_AT_ONCE, last[i] + 1 - p),
-                     part + i * stride + 2, d);
+    for (int64_t r = 0; r < rows; ++r)
+      if (p <= last[r * group])
+        weigh_group(scores.data() + r * group * padded + p, padded, group, rows_v.data() + p,
+                    std::min(VALUES_AT_ONCE, last[r * group] + 1 - p), part + r * group * stride + 2, stride, d);
 }
 
 // ---------------------------------------------------------------- quantized KV: int8 and int4 codes with scales
