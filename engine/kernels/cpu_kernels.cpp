@@ -26,9 +26,9 @@
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
 #define KVSCOPE_AVX2 1
-#define KVSCOPE_INT4_DOTS true  // int4 KV attention by integer dot products (else through floats)
+#define KVSCOPE_INT_DOTS true  // int4 / int8 KV attention by integer dot products (else through floats)
 #else
-#define KVSCOPE_INT4_DOTS false
+#define KVSCOPE_INT_DOTS false
 #endif
 
 namespace {
@@ -891,10 +891,10 @@ inline float scale_query(const float* q, const uint16_t* param, int64_t d, float
 }
 
 #ifdef KVSCOPE_AVX2
-// ---- int4 keys by integer dot products: a block's per-channel key scales fold into the query, qs = q * scale,
+// ---- int4 / int8 keys by integer dot products: a block's per-channel key scales fold into the query, qs = q * scale,
 // which goes onto an int16 grid per block, qs ~ dq * qi (15 bits of its largest channel, as the weight kernels'
-// two-part activations); its dot with a key's codes (0..15, widened to int16 once for every query vector) is exact
-// in int32 (madd: at most D * 15 * 32767), so score = dq * (codes . qi) + q . min.
+// two-part activations); its dot with a key's codes (int4 0..15, int8 -127..127, widened to int16 once for every query vector) is exact
+// in int32 (madd: at most D * 127 * 32767 for int8, D <= 256), so score = dq * (codes . qi) + q . min.
 constexpr int64_t CODE_LANES = 32;  // channels per register of unpacked codes
 
 inline int64_t padded_channels(int64_t d) { return (d + CODE_LANES - 1) / CODE_LANES * CODE_LANES; }
@@ -920,11 +920,23 @@ inline void unpack_int4(const uint8_t* const* rows, int64_t n, int64_t d, int64_
   }
 }
 
-// n rows of unpacked codes (dp bytes each) -> int16, rows of dp
+// n rows of codes -> one byte a channel, rows of dp (zeros from d): int4 unpacked, int8 as stored (signed)
+template <int BITS>
+inline void unpack_codes(const uint8_t* const* rows, int64_t n, int64_t d, int64_t dp, uint8_t* out) {
+  if constexpr (BITS == 4) return unpack_int4(rows, n, d, dp, out);
+  for (int64_t p = 0; p < n; ++p) {
+    std::memcpy(out + p * dp, rows[p], d);
+    std::fill(out + p * dp + d, out + (p + 1) * dp, uint8_t{0});
+  }
+}
+
+// n rows of unpacked codes (dp bytes each) -> int16, rows of dp (int4's codes unsigned, int8's signed)
+template <int BITS>
 inline void widen_codes(const uint8_t* codes, int64_t n, int64_t dp, int16_t* out) {
-  for (int64_t i = 0; i < n * dp; i += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
-                        _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i))));
+  for (int64_t i = 0; i < n * dp; i += 16) {
+    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), BITS == 4 ? _mm256_cvtepu8_epi16(b) : _mm256_cvtepi8_epi16(b));
+  }
 }
 
 inline float hmax(__m256 v) {
@@ -933,14 +945,15 @@ inline float hmax(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
-// a query against one block of int4 keys: qs = q * scale per channel as int16, qs ~ dq * qi (zeros from d to dp);
-// bias = q . min; returns dq
+// a query against one block of keys: qs = q * scale per channel as int16, qs ~ dq * qi (zeros from d to dp);
+// bias = q . min (int4; 0 for int8); returns dq
+template <int BITS>
 inline float query_int16(const float* q, const uint16_t* param, int64_t d, int64_t dp, float* qs, int16_t* qi,
                          float* bias) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 amax = _mm256_setzero_ps(), b = _mm256_setzero_ps();
   for (int64_t j = 0; j < d; j += 8) {
-    auto [sc, mn] = key_params8<4>(param, d, j);
+    auto [sc, mn] = key_params8<BITS>(param, d, j);
     __m256 qj = _mm256_loadu_ps(q + j), x = _mm256_mul_ps(qj, sc);
     _mm256_storeu_ps(qs + j, x);
     amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, x));
@@ -991,27 +1004,30 @@ inline void score_codes(const int16_t* codes, int64_t n, int64_t dp, const int16
     case 12: return score_codes_fixed<12>(codes, n, qi, dq, bias, out);
     case 14: return score_codes_fixed<14>(codes, n, qi, dq, bias, out);
     case 16: return score_codes_fixed<16>(codes, n, qi, dq, bias, out);
-    default: TORCH_CHECK(false, "int4 keys: head_dim up to 256");
+    default: TORCH_CHECK(false, "quantized keys: head_dim up to 256");
   }
 }
 
 // ---- int4 values by integer products: each vector's weights w_p = e_p * scale_p (its softmax weight times the
 // token's value scale) go onto one int16 grid per tile, w ~ dw * w16 (dw = max w / 32767: 15 bits of the largest);
 // the codes of two tokens are interleaved as int16 pairs per channel, so one madd gives w16_p c_p + w16_p+1 c_p+1,
-// and a tile's sums are exact in int32 (at most 128 pairs * 2 * 32767 * 15 < 2^31): out += dw * sums.
+// and a tile's sums are exact in int32 (at most 128 pairs * 2 * 32767 * 127 < 2^31): out += dw * sums.
 constexpr int64_t PAIRS_AT_ONCE = 16;  // token pairs interleaved at a time, then read by every vector from L1
 
 // unpacked codes (dp bytes a row) of tokens a and b -> per 32 channels four registers of int16 pairs (a_j, b_j):
-// channels {0-3, 16-19}, {4-7, 20-23}, {8-11, 24-27}, {12-15, 28-31} of the group (the unpack's lane order)
+// channels {0-3, 16-19}, {4-7, 20-23}, {8-11, 24-27}, {12-15, 28-31} of the group (the unpack's lane order);
+// int8's codes are signed: each byte is widened with its sign byte instead of a zero
+template <int BITS>
 inline void interleave_pair(const uint8_t* a, const uint8_t* b, int64_t dp, __m256i* out) {
   const __m256i zero = _mm256_setzero_si256();
   for (int64_t j = 0; j < dp; j += CODE_LANES, out += 4) {
     __m256i ra = load256(a + j), rb = load256(b + j);
     __m256i t0 = _mm256_unpacklo_epi8(ra, rb), t1 = _mm256_unpackhi_epi8(ra, rb);
-    out[0] = _mm256_unpacklo_epi8(t0, zero);
-    out[1] = _mm256_unpackhi_epi8(t0, zero);
-    out[2] = _mm256_unpacklo_epi8(t1, zero);
-    out[3] = _mm256_unpackhi_epi8(t1, zero);
+    __m256i s0 = BITS == 8 ? _mm256_cmpgt_epi8(zero, t0) : zero, s1 = BITS == 8 ? _mm256_cmpgt_epi8(zero, t1) : zero;
+    out[0] = _mm256_unpacklo_epi8(t0, s0);
+    out[1] = _mm256_unpackhi_epi8(t0, s0);
+    out[2] = _mm256_unpacklo_epi8(t1, s1);
+    out[3] = _mm256_unpackhi_epi8(t1, s1);
   }
 }
 
@@ -1072,7 +1088,8 @@ inline float weights_int16(const float* w, int64_t n, int16_t* w16) {
 
 // every active vector's values over the codes of [qstart, qstart + n): weights (float, [active][n_even], zeros past
 // a vector's last key) -> part_i[2..] += dw_i * (integer sums) + bias_i
-inline void weigh_int4_values(const uint8_t* const* rows, int64_t n, int64_t d, const std::vector<int64_t>& active,
+template <int BITS>
+inline void weigh_int_values(const uint8_t* const* rows, int64_t n, int64_t d, const std::vector<int64_t>& active,
                               const float* weights, const float* bias, float* part, int64_t stride) {
   int64_t dp = padded_channels(d), regs = dp / 8, even = (n + 1) / 2 * 2, nv = active.size();
   thread_local std::vector<int16_t> w16;
@@ -1087,10 +1104,10 @@ inline void weigh_int4_values(const uint8_t* const* rows, int64_t n, int64_t d, 
   pairs.resize(PAIRS_AT_ONCE * regs);
   for (int64_t p0 = 0; p0 < n; p0 += 2 * PAIRS_AT_ONCE) {
     int64_t m = std::min(2 * PAIRS_AT_ONCE, n - p0), np = (m + 1) / 2;
-    unpack_int4(rows + p0, m, d, dp, unpacked.data());
+    unpack_codes<BITS>(rows + p0, m, d, dp, unpacked.data());
     if (m % 2) std::fill_n(unpacked.data() + m * dp, dp, uint8_t{0});  // a last token alone: paired with zeros
     for (int64_t r = 0; r < np; ++r)
-      interleave_pair(unpacked.data() + 2 * r * dp, unpacked.data() + (2 * r + 1) * dp, dp, pairs.data() + r * regs);
+      interleave_pair<BITS>(unpacked.data() + 2 * r * dp, unpacked.data() + (2 * r + 1) * dp, dp, pairs.data() + r * regs);
     for (int64_t v = 0; v < nv; ++v)
       madd_pairs_any(pairs.data(), w16.data() + v * even + p0, np, regs, acc.data() + v * regs);
   }
@@ -1178,7 +1195,8 @@ inline void prefetch_codes(const QuantRows<BITS>& keys, const QuantRows<BITS>& v
 
 // the scores of every vector against one block of codes [s, e) (one set of key scales `prm`), from the block's
 // codes widened to int16 once
-inline void score_int4_block(const float* q, const uint8_t* const* code, const uint16_t* prm, const int64_t* last,
+template <int BITS>
+inline void score_int_block(const float* q, const uint8_t* const* code, const uint16_t* prm, const int64_t* last,
                              int64_t nq, int64_t d, int64_t s, int64_t e, int64_t k0, float* scores, int64_t padded) {
 #ifdef KVSCOPE_AVX2
   thread_local std::vector<float> qs;
@@ -1189,17 +1207,17 @@ inline void score_int4_block(const float* q, const uint8_t* const* code, const u
   unpacked.resize((e - s) * dp);
   wide.resize((e - s) * dp);
   qi.resize(dp);
-  unpack_int4(code, e - s, d, dp, unpacked.data());
-  widen_codes(unpacked.data(), e - s, dp, wide.data());
+  unpack_codes<BITS>(code, e - s, d, dp, unpacked.data());
+  widen_codes<BITS>(unpacked.data(), e - s, dp, wide.data());
   for (int64_t i = 0; i < nq; ++i) {
     if (s - k0 > last[i]) continue;
-    float bias, dq = query_int16(q + i * d, prm, d, dp, qs.data(), qi.data(), &bias);
+    float bias, dq = query_int16<BITS>(q + i * d, prm, d, dp, qs.data(), qi.data(), &bias);
     score_codes(wide.data(), e - s, dp, qi.data(), dq, bias, scores + i * padded + s - k0);
   }
 #endif
 }
 
-// as score_int4_block, from the block's codes turned into floats once (int8; int4 without AVX2)
+// as score_int_block, from the block's codes turned into floats once (without AVX2)
 template <int BITS>
 void score_block_floats(const float* q, const uint8_t* const* code, const uint16_t* prm, const int64_t* last,
                         int64_t nq, int64_t d, int64_t s, int64_t e, int64_t k0, float* scores, int64_t padded) {
@@ -1224,14 +1242,14 @@ void score_block_floats(const float* q, const uint8_t* const* code, const uint16
 template <int BITS>
 void score_quantized(const float* q, const QuantRows<BITS>& keys, const QuantRows<BITS>& values, const int64_t* last,
                      int64_t nq, int64_t d, int64_t k0, int64_t qstart, int64_t qend, float* scores, int64_t padded) {
-  constexpr bool INTEGER = BITS == 4 && KVSCOPE_INT4_DOTS;
+  constexpr bool INTEGER = KVSCOPE_INT_DOTS;
   for (int64_t s = qstart, e = qstart; s < qend; s = e) {
     const uint16_t* prm = keys.param[s - keys.first];
     while (e < qend && keys.param[e - keys.first] == prm) ++e;
     if (s == qstart) prefetch_codes(keys, values, s, s + PREFETCH_AHEAD, d * BITS / 8, d);
     prefetch_codes(keys, values, s + PREFETCH_AHEAD, e + PREFETCH_AHEAD, d * BITS / 8, d);
     const uint8_t* const* code = keys.code + (s - keys.first);
-    if constexpr (INTEGER) score_int4_block(q, code, prm, last, nq, d, s, e, k0, scores, padded);
+    if constexpr (INTEGER) score_int_block<BITS>(q, code, prm, last, nq, d, s, e, k0, scores, padded);
     else score_block_floats<BITS>(q, code, prm, last, nq, d, s, e, k0, scores, padded);
   }
 }
@@ -1283,8 +1301,8 @@ void weigh_quantized(const float* scores, int64_t padded, const QuantRows<BITS>&
   }
   const uint8_t* const* rows = values.code + (qstart - values.first);
 #ifdef KVSCOPE_AVX2
-  if constexpr (BITS == 4 && KVSCOPE_INT4_DOTS)
-    return weigh_int4_values(rows, upto, d, active, weights.data(), bias.data(), part, stride);
+  if constexpr (KVSCOPE_INT_DOTS)
+    return weigh_int_values<BITS>(rows, upto, d, active, weights.data(), bias.data(), part, stride);
   for (size_t a = 0; a < active.size(); a += 3) {  // three vectors at a time: 12 accumulators of 8 lanes
     const float* w[3];
     float* out[3];
