@@ -123,6 +123,20 @@ std::pair<at::Tensor, std::vector<int64_t>> as_rows(const at::Tensor& x, int64_t
 constexpr int64_t MAX_ROWS = 16;  // activation rows per call (the decode batch); more go through prefill
 constexpr int64_t PREFETCH = 2048;  // bytes ahead of the weight row being read
 
+// f(std::integral_constant<int, M>) with M = m where a kernel is compiled for that many activation rows (their
+// accumulators stay in registers), else M = 0 (any m): the same operations per row either way, so the same bits
+template <typename F>
+inline void with_rows(int64_t m, F f) {
+  switch (m) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 8: return f(std::integral_constant<int, 8>{});
+    default: return f(std::integral_constant<int, 0>{});
+  }
+}
+
 // float16 row -> float32 (scales, minimums of one weight row)
 inline void halves_to_floats(const uint16_t* src, float* dst, int64_t n) {
   int64_t j = 0;
@@ -238,10 +252,10 @@ at::Tensor int4_linear(const at::Tensor& input, const at::Tensor& codes, const a
       halves_to_floats(sc + row * groups, dw.data(), groups);
       halves_to_floats(mn + row * groups, mw.data(), groups);
       const uint8_t* crow = c + row * (k / 2);
-      if (g == 32)
-        (m == 1 ? int4_row<1, 32> : int4_row<0, 32>)(crow, dw.data(), mw.data(), k, rows, xsg.data(), m, out + row, n);
-      else
-        (m == 1 ? int4_row<1, 64> : int4_row<0, 64>)(crow, dw.data(), mw.data(), k, rows, xsg.data(), m, out + row, n);
+      with_rows(m, [&](auto rows_m) {
+        constexpr int M = decltype(rows_m)::value;
+        (g == 32 ? int4_row<M, 32> : int4_row<M, 64>)(crow, dw.data(), mw.data(), k, rows, xsg.data(), m, out + row, n);
+      });
     }
   });
   return y.view(out_sizes);
@@ -298,10 +312,9 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes, const a
     std::vector<float> dw(groups);
     for (int64_t row = n0; row < n1; ++row) {
       halves_to_floats(sc + row * groups, dw.data(), groups);
-      if (m == 1)
-        int8_row<1>(c + row * k, dw.data(), k, g / QK, rows, m, out + row, n);
-      else
-        int8_row<0>(c + row * k, dw.data(), k, g / QK, rows, m, out + row, n);
+      with_rows(m, [&](auto rows_m) {
+        int8_row<decltype(rows_m)::value>(c + row * k, dw.data(), k, g / QK, rows, m, out + row, n);
+      });
     }
   });
   return y.view(out_sizes);
