@@ -346,8 +346,9 @@ class LlamaModel(nn.Module):
         if self.local_rotary is not None:
             tables.append(self.local_rotary(view.positions, x.dtype))
         normed = self.layers[0].input_layernorm(x)
-        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        for i, (layer, next_norm) in enumerate(zip(self.layers, norms)):
+        layers = list(self.layers)  # (a slice of the ModuleList would build a new ModuleList every step)
+        norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
+        for i, (layer, next_norm) in enumerate(zip(layers, norms)):
             cos, sin = tables[1 if layer.local_rotary else 0]
             normed = layer.forward(x, normed, cos, sin, view, i, next_norm)
         return normed
