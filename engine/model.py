@@ -292,6 +292,11 @@ class LlamaModel(nn.Module):
         local = any(layer.local_rotary for layer in self.layers)
         self.local_rotary = Rotary(self.config, positions, local=True) if local else None
 
+    def forget_one_call_plans(self) -> None:
+        """Projections were replaced (a weight format changed): each layer looks its tensors up again."""
+        for layer in self.layers:
+            layer.__dict__.pop("_one_call", None)
+
     def projections(self) -> dict[str, WeightLinear]:
         """Every weight matrix by name (a tied embedding is the head, listed once)."""
         return {name: m for name, m in self.named_modules(remove_duplicate=True) if isinstance(m, WeightLinear)}

@@ -232,6 +232,15 @@ def test_the_one_call_layer_gives_the_bits_of_op_by_op(tiny_config, tokenizer, c
     assert same_bits(one_call, reference)
 
 
+def test_a_weight_format_changed_live_runs_in_the_one_call_layer_with_its_new_weights(tiny_config, tokenizer):
+    engine = tiny_engine(tiny_config, tokenizer, "float32", cache="paged")
+    decode(engine, 1, PROMPT, 2)  # the layers' one-call arguments are looked up: float32 tensors
+    engine.set_weights("int4")
+    engine.cache.release(1)
+    fresh = tiny_engine(tiny_config, tokenizer, "int4", cache="paged")
+    assert same_bits(decode(engine, 1, PROMPT, 8), decode(fresh, 1, PROMPT, 8))
+
+
 def test_the_default_weights_format_keeps_the_heads_int8_codes(tiny_config):
     w = torch.randn(tiny_config.vocab_size, 64) * 0.05
     head = build_linear(to_format(w, "int4", "lm_head"))

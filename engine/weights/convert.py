@@ -99,6 +99,7 @@ def apply_format(model: nn.Module, fmt: str) -> None:
             setattr(model.get_submodule(parent) if parent else model, leaf, build_linear(target))
     if model.config.tie_word_embeddings:
         model.embed_tokens.table = model.lm_head
+    model.forget_one_call_plans()  # the layers' one-call arguments name the replaced modules' tensors
 
 
 # ---- auto
