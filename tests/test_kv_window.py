@@ -16,12 +16,14 @@ import pytest
 import torch
 
 from engine import loader
-from engine.config import ModelConfig
+from engine.config import EngineConfig, ModelConfig, SamplingParams, SpeculativeConfig
+from engine.engine import Engine, make_cache
 from engine.kv.base import KVCacheFull
 from engine.kv.factory import CacheShape, new_cache
 from engine.kv.window import PARKED, SlidingLayers
 from engine.model import LlamaModel
 from engine.speculative import verify_segments
+from tests.engine_helpers import greedy as greedy_params
 from tests.engine_helpers import one_torch_thread
 from tests.test_architectures import CASES, random_reference, write_case
 
@@ -37,12 +39,18 @@ def _one_thread():
 
 
 @pytest.fixture(scope="module", params=["gemma2", "gemma3"])
-def gemma(request, tmp_path_factory, monkeypatch_module):
+def gemma_weights(request, tmp_path_factory, monkeypatch_module):
+    """(the tiny random model, its tokenizer)."""
     tmp = tmp_path_factory.mktemp(request.param)
     monkeypatch_module.setenv("KVSCOPE_CACHE_DIR", str(tmp / "cache"))
     case = CASES[request.param]
     weights = loader.load_weights(str(write_case(tmp, case, random_reference(case))))
-    return LlamaModel.from_hf_state_dict(weights.config, weights.state_dict, max_positions=CONTEXT)
+    return LlamaModel.from_hf_state_dict(weights.config, weights.state_dict, max_positions=CONTEXT), weights.tokenizer
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma_weights):
+    return gemma_weights[0]
 
 
 @pytest.fixture(scope="module")
@@ -319,3 +327,37 @@ def test_a_verify_forward_is_cut_to_what_the_ring_can_roll_back(gemma):
     assert verify_segments(cache, 100, limit) == [limit]
     assert verify_segments(cache, 100, 2 * limit + 3) == [limit, limit, 3]
     assert verify_segments(cache_for(keeping_everything(gemma.config), "contiguous"), 100, 40) == [40]
+
+
+# ---- through the engine: turns and speculative decoding ------------------------------------------------------
+
+
+def engine_for(gemma_weights, layout: str, keep_everything: bool = False) -> Engine:
+    model, tokenizer = gemma_weights
+    engine = Engine(model, tokenizer, EngineConfig(cache=layout, block_size=8), "tiny-gemma")
+    if keep_everything:
+        engine.model_config = keeping_everything(model.config)
+        engine.cache = make_cache(layout, engine, 8, None)
+    return engine
+
+
+REPEAT = "Repeat after me: the cat sat on the mat, the cat sat on the mat, and the dog lay by the door."
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_speculative_turns_give_the_plain_greedy_reply_of_a_full_cache(gemma_weights, layout):
+    """Lookup drafts of up to 32 tokens: each verify forward is cut to what the ring can roll back; two turns, the
+    second reusing the first's history, each the reply plain decoding gives through a cache that keeps it all."""
+    lookup = SpeculativeConfig("lookup", max_draft_tokens=32, adaptive=False)
+    spec = SamplingParams(**{**greedy_params(60).__dict__, "speculative": lookup})
+    replies = []
+    for engine, params in ((engine_for(gemma_weights, layout), spec),
+                           (engine_for(gemma_weights, layout, keep_everything=True), greedy_params(60))):
+        conv = engine.new_conversation("You are a test assistant.")
+        turns = [list(engine.generate(conv, REPEAT, params)) for _ in range(2)]
+        replies.append(([list(m.token_ids) for m in conv.messages if m.role == "assistant"], turns))
+    (ours, turns), (ref, ref_turns) = replies
+    assert ours == ref and len(ours) == 2
+    assert turns[1][-1].prefix_hit_tokens == ref_turns[1][-1].prefix_hit_tokens > 100
+    widest = max(getattr(e, "n_drafted", 0) for turn in turns for e in turn)
+    assert widest > engine_for(gemma_weights, layout).cache.rollback_limit, "more drafts than one forward may roll back"
