@@ -154,6 +154,7 @@ def test_the_reported_bytes_for_a_long_sequence_match_the_per_layer_formula(gemm
         assert stats.bytes_allocated == stats.num_blocks * layers.num_global * 8 * per_layer_token(c) + rings
         window = layers.num_sliding * WINDOW * per_layer_token(c)
         assert stats.bytes_used == stats.num_blocks_used * layers.num_global * 8 * per_layer_token(c) + window
+        assert stats.bytes_budget == cache.layout.max_blocks * cache.bytes_per_block() + rings, "pool + rings"
     full = cache_for(keeping_everything(c), layout)
     greedy(gemma, full, 1, prompt(150), 50)
     assert full.stats(1).bytes_theoretical == per_layer_token(c) * c.num_layers * context

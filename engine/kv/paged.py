@@ -383,7 +383,8 @@ class PagedCache(KVCache):
             block_size=self.block_size, num_blocks=pool.num_blocks, num_blocks_used=pool.num_used,
             num_blocks_free=pool.num_free, num_blocks_cached=pool.num_cached,
             block_states=self.block_states(seq_id),
-            bytes_budget=self.budget_bytes(), num_blocks_budget=self.layout.max_blocks, precision=self.precision,
+            bytes_budget=self.budget_bytes() + self.window_bytes(),  # the rings come beside the pool's budget
+            num_blocks_budget=self.layout.max_blocks, precision=self.precision,
         )
 
     def bytes_allocated(self) -> int:
