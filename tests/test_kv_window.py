@@ -114,8 +114,9 @@ def test_the_tiny_gemmas_slide_with_a_window_shorter_than_the_prompts(gemma):
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
-def test_prefill_and_decode_give_the_full_caches_logits_bit_for_bit(gemma, layout):
-    ours, full = pair(gemma, layout)
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_prefill_and_decode_give_the_full_caches_logits_bit_for_bit(gemma, layout, precision):
+    ours, full = pair(gemma, layout, precision)
     tokens, logits, _ = greedy(gemma, ours, 1, prompt(40), 40)
     ref_tokens, ref_logits, _ = greedy(gemma, full, 1, prompt(40), 40)
     assert tokens == ref_tokens
@@ -158,6 +159,23 @@ def test_the_reported_bytes_for_a_long_sequence_match_the_per_layer_formula(gemm
     full = cache_for(keeping_everything(c), layout)
     greedy(gemma, full, 1, prompt(150), 50)
     assert full.stats(1).bytes_theoretical == per_layer_token(c) * c.num_layers * context
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_a_batch_of_sequences_at_different_positions_gives_the_full_caches_logits(gemma, layout):
+    """The scheduler's step: two sequences, one past its window by far, one within it, decoding together."""
+    results = []
+    for cache in pair(gemma, layout):
+        rows = []
+        for seq_id, n in ((1, 50), (2, 5)):
+            cache.prepare(seq_id, prompt(n, seed=seq_id))
+            rows.append(step(gemma, cache, seq_id, prompt(n, seed=seq_id)))
+        for t in range(34):
+            view = cache.begin_step([1, 2], [[3 + t], [40 + t]])
+            rows.append(gemma(torch.tensor([[3 + t], [40 + t]]), view))
+            cache.commit_step(view)
+        results.append(torch.cat(rows))
+    assert torch.equal(*results)
 
 
 # ---- turns, rollback, fork --------------------------------------------------------------------------------------
