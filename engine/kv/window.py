@@ -184,8 +184,7 @@ class WindowStep:
         rows = [[p + j if j < n else -1 for j in range(t)] for p, n in zip(past, n_new)]
         self.q_pos = torch.tensor(rows, dtype=torch.int32, device=dev)  # [B, T]
         self.plan = self._read_plan(past, n_new, dev)
-        kept = [[p + j >= p + n - slots and j < n for j in range(t)] for p, n in zip(past, n_new)]
-        store = [[b if keep else -1 for keep in row] for b, row in enumerate(kept)]
+        store = [[b if n - slots <= j < n else -1 for j in range(t)] for b, n in enumerate(n_new)]  # the newest
         slot = [[(p + j) % slots for j in range(t)] for p in past]
         self.writes = WriteMap(torch.tensor(store, dtype=torch.int32, device=dev),
                                torch.tensor(slot, dtype=torch.int32, device=dev))
@@ -197,11 +196,10 @@ class WindowStep:
         slots, window, b = self.layers.slots, self.layers.window, len(past)
         index, plan = [], []
         for i, p in enumerate(past):
-            first = max(0, p - window + 1)
-            if first < p:
+            older = torch.arange(max(0, p - window + 1), p, device=dev)  # the positions the step's rows see
+            if len(older):
                 index.append(i)
-                plan.append((torch.arange(first, p, device=dev) % slots, i * self.s_pad + torch.arange(first, p,
-                                                                                                        device=dev)))
+                plan.append((older % slots, i * self.s_pad + older))
         for i, (p, n) in enumerate(zip(past, n_new)):
             index.append(b + i)
             plan.append((torch.arange(n, device=dev), i * self.s_pad + p + torch.arange(n, device=dev)))
