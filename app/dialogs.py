@@ -177,7 +177,7 @@ def about_html(info: ModelInfo | None) -> str:
     kv = kv_bytes(info)  # the same figures as the side panel's
     blocks = f", block size {info.block_size}" if info.cache_strategy.startswith("paged") else ""
     reuse = "kept between turns (prefix reuse)" if info.prefix_reuse else "prefilled again every turn"
-    full = f"{human_bytes(kv.bytes_per_token * info.max_context)}"
+    full = f"{human_bytes(kv.bytes_at(info.max_context))}"
     held = (f"A full {info.max_context:,}-token context needs {full}." if kv.holds_kv else
             f"'none' holds nothing: every step recomputes the context. A cache would need this "
             f"({full} for a full {info.max_context:,}-token context).")
@@ -187,5 +187,6 @@ def about_html(info: ModelInfo | None) -> str:
         f"<b>Context:</b> {info.max_context:,} tokens<br>"
         f"<b>Cache:</b> {escape(info.cache_strategy)}{blocks}; the history is {reuse}</p>"
         f"<p><b>KV bytes per token</b> = 2 × bytes/element × layers × KV heads × head_dim<br>"
-        f"= {escape(kv.formula)} ({human_bytes(kv.bytes_per_token)})<br>{escape(held)}</p>"
+        f"= {escape(kv.formula)} ({human_bytes(kv.bytes_per_token)})<br>{escape(held)}"
+        + (f"<br>{escape(info.sliding_text)}." if info.sliding_text else "") + "</p>"
     )

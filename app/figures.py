@@ -14,7 +14,8 @@ def figure_rows(info: ModelInfo | None, kv, last_done=None) -> list[tuple[str, s
     """kv: the latest KVStats (or None); last_done: the last turn's DoneEvent (or None)."""
     if info is None:
         return [("Model", "loading…", "")]
-    rows = [_bytes_per_token(info), _weights_vs_kv(info), _gqa(info)]
+    rows = [_bytes_per_token(info)] + ([_sliding(info)] if info.sliding_layers else [])
+    rows += [_weights_vs_kv(info), _gqa(info)]
     rows.append(_precisions(info, kv) if info.precision_bytes else _int8(info))
     if kv is not None:
         rows += [_utilisation(kv), _memory_now(kv)]
@@ -49,6 +50,19 @@ def _bytes_per_token(info: ModelInfo) -> tuple[str, str, str]:
     return ("KV bytes per token", f"{human_bytes(kv.bytes_per_token)} / token ({kv.strategy}{stored})", kv.formula)
 
 
+def _sliding(info: ModelInfo) -> tuple[str, str, str]:
+    """What a sliding-window model's cache holds of those layers (Gemma 2/3)."""
+    if not info.window_only:
+        return ("Sliding-window layers", f"{info.sliding_layers} of {info.num_layers} slide", info.sliding_text)
+    kv = kv_bytes(info)
+    value = (f"{info.sliding_layers} of {info.num_layers} layers slide with window {info.sliding_window:,} "
+             f"and hold only it")
+    detail = (f"{info.sliding_text}: at most {human_bytes(kv.window_bytes_per_token * info.sliding_window)} a "
+              f"sequence; the other {info.held_layers} layers hold every token "
+              f"({human_bytes(kv.bytes_per_token)}/token)")
+    return ("Sliding-window layers", value, detail)
+
+
 def _precisions(info: ModelInfo, kv) -> tuple[str, str, str]:
     """What each KV precision would hold for this conversation, and where each would outgrow the weights."""
     tokens = kv.tokens if kv is not None else 0
@@ -59,6 +73,10 @@ def _precisions(info: ModelInfo, kv) -> tuple[str, str, str]:
         beyond = "—" if at is None else f"{at:,}" + ("" if at <= info.max_context else " (beyond the context)")
         lines.append(f"{mark}{name}: {human_bytes(per_token * tokens)} now · {human_bytes(per_token)}/token · "
                      f"outgrows the weights at {beyond}")
+    window = kv_bytes(info).window_bytes_per_token * min(tokens, info.sliding_window)
+    if window:
+        lines.append(f"(the {info.held_layers} global layers; the sliding layers' window adds "
+                     f"{human_bytes(window)} now, unquantized)")
     active = f"active: {info.kv_dtype_text}" if info.kv_dtype_text else "active: none (no cache kept)"
     return (f"Each KV precision for this conversation ({tokens:,} tokens)", active, "\n".join(lines))
 

@@ -239,11 +239,17 @@ def verify_segments(cache, past: int, n: int) -> list[int]:
     the blocks that are full at its own position quantized and its own block in full precision. A forward that
     starts with the token filling a block and stops before the next block's last slot matches that exactly, so
     the verify forward is cut before every position in a block's last slot. The next piece only runs when the
-    draft it starts with was accepted: a block is never quantized from a rejected token."""
-    bs = cache.quantization_group
-    if not bs:
-        return [n]
-    bounds = [past] + [q for q in range(past + 1, past + n) if q % bs == bs - 1] + [past + n]
+    draft it starts with was accepted: a block is never quantized from a rejected token.
+
+    A cache whose sliding-window layers hold a ring (engine/kv/window.py) can roll a forward back to its first
+    token only if it added at most `rollback_limit` tokens: the forward is cut to pieces that long, too."""
+    bs, limit = cache.quantization_group, getattr(cache, "rollback_limit", 0)
+    cuts = [q for q in range(past + 1, past + n) if bs and q % bs == bs - 1]
+    bounds = [past]
+    for end in cuts + [past + n]:
+        while limit and end - bounds[-1] > limit:
+            bounds.append(bounds[-1] + limit)
+        bounds.append(end)
     return [b - a for a, b in zip(bounds, bounds[1:])]
 
 

@@ -158,6 +158,15 @@ def attend_gathered(q: torch.Tensor, k_stores: list[torch.Tensor], v_stores: lis
     index, plan, s_pad = keys.gather_plan(len(k_stores))
     k_all = gather(k_stores, index, plan, hkv, b * s_pad, d, q.dtype).view(hkv, b, s_pad, d).transpose(0, 1)
     v_all = gather(v_stores, index, plan, hkv, b * s_pad, d, q.dtype).view(hkv, b, s_pad, d).transpose(0, 1)
+    return attend_padded(q, k_all, v_all, keys.q_pos, spec)
+
+
+def attend_padded(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, q_pos: torch.Tensor,
+                  spec: LayerAttention = PLAIN) -> torch.Tensor:
+    """q: [B, Hq, T, D]; k_all, v_all: [B, Hkv, S_pad, D], key p of a sequence at index p (zeros where none is
+    held); q_pos: [B, T] int32 (-1: padding) -> [B, Hq, T, D]. One masked softmax per row."""
+    b, hq, t, d = q.shape
+    hkv, s_pad = k_all.shape[1], k_all.shape[2]
     group = hq // hkv
     scale = d ** -0.5 if spec.scale is None else spec.scale
     queries = q.reshape(b, hkv, group * t, d) * scale  # [B, Hkv, G*T, D]: a group's heads share keys
@@ -165,9 +174,9 @@ def attend_gathered(q: torch.Tensor, k_stores: list[torch.Tensor], v_stores: lis
     if spec.softcap:
         scores = torch.tanh(scores / spec.softcap) * spec.softcap
     key_pos = torch.arange(s_pad, device=q.device)[None, None, :]
-    hidden = key_pos > keys.q_pos[:, :, None]  # [B, T, S_pad]
+    hidden = key_pos > q_pos[:, :, None]  # [B, T, S_pad]
     if spec.window:
-        hidden |= key_pos <= keys.q_pos[:, :, None] - spec.window
+        hidden |= key_pos <= q_pos[:, :, None] - spec.window
     scores.masked_fill_(hidden[:, None, None], float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).nan_to_num_(0.0)  # a padding row: all hidden
     out = torch.matmul(probs.view(b, hkv, group * t, s_pad), v_all)  # [B, Hkv, G*T, D]

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ModelConfig
-from engine.kv.attention import LayerAttention
+from engine.kv.attention import TILE, LayerAttention
+from engine.kv.window import SlidingLayers, WindowRings
 
 
 class KVCacheFull(RuntimeError):
@@ -75,6 +76,7 @@ class KVCache(ABC):
     name: str
     keeps_kv = True  # False for 'none': the caller must feed the whole sequence every step
     quantization_group = 0  # a quantized cache's tokens per group (a block quantizes when it fills); 0: floats
+    window_slack = TILE  # a sliding layer's ring holds the window and this many more tokens (engine/kv/window.py)
 
     def __init__(self, model_config: ModelConfig, dtype: torch.dtype, device: torch.device, max_context: int):
         self.config = model_config
@@ -82,6 +84,9 @@ class KVCache(ABC):
         self.device = device
         self.max_context = max_context
         self.bytes_per_element = torch.tensor([], dtype=dtype).element_size()
+        self.sliding = SlidingLayers.of(model_config, max_context, self.window_slack)  # None: all held whole
+        self.store_config = self.sliding.global_config(model_config) if self.sliding else model_config
+        self.windows = WindowRings(self.sliding, model_config, dtype, device) if self.sliding else None
 
     @abstractmethod
     def prepare(self, seq_id: int, token_ids: list[int]) -> int:
@@ -104,6 +109,27 @@ class KVCache(ABC):
         held = self.tokens_held(seq_id)
         if not 0 <= keep <= held:
             raise ValueError(f"cannot keep {keep} tokens of sequence {seq_id}: it holds {held}")
+        if held and not self.window_holds(seq_id, keep):
+            raise KVCacheFull(f"sequence {seq_id} cannot keep {keep} tokens: its sliding layers no longer hold "
+                              f"the {self.sliding.window - 1} keys before position {keep} (they keep "
+                              f"{self.sliding.slots} positions); keep all of them or none")
+
+    # ---- sliding-window layers (engine/kv/window.py)
+    @property
+    def rollback_limit(self) -> int:
+        """The most tokens a step may add and still be rolled back to its first token (0: any)."""
+        return self.sliding.slots - self.sliding.window + 1 if self.sliding else 0
+
+    def window_holds(self, seq_id: int, keep: int) -> bool:
+        """Whether the sequence's sliding layers still hold what a prefix of `keep` tokens needs."""
+        return self.windows is None or self.windows.holds(seq_id, keep)
+
+    def local_layer(self, layer: int) -> int:
+        """A global layer's index in the main store (which holds no sliding layer)."""
+        return self.sliding.index[layer] if self.sliding else layer
+
+    def window_bytes(self) -> int:
+        return self.windows.nbytes() if self.windows else 0
 
     @abstractmethod
     def release(self, seq_id: int) -> None:
@@ -123,5 +149,19 @@ class KVCache(ABC):
         codec = getattr(self, "codec", None)
         return codec.name if codec is not None else str(self.dtype).removeprefix("torch.")
 
+    def store_bytes_per_token(self) -> float:
+        """The main store's bytes per token: its (global) layers at the stored precision, scales included."""
+        return self.store_config.kv_bytes_per_token(self.bytes_per_element)
+
     def theoretical_bytes(self, tokens: int) -> int:
-        return int(self.config.kv_bytes_per_token(self.bytes_per_element) * tokens)
+        """The formula for one sequence of `tokens`, per layer: a global layer holds every token, a sliding layer
+        at most its window (in the cache's float dtype)."""
+        held = self.store_bytes_per_token() * tokens
+        if self.sliding:
+            per_token = self.sliding.sliding_config(self.config).kv_bytes_per_token(self.dtype.itemsize)
+            held += per_token * min(tokens, self.sliding.window)
+        return int(held)
+
+    def theoretical_bytes_of(self, contexts) -> int:
+        """The formula summed over sequences of the given lengths."""
+        return sum(self.theoretical_bytes(n) for n in contexts)

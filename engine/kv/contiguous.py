@@ -3,6 +3,9 @@
 With prefix reuse (the default, as llama.cpp keeps one contiguous cache per slot) a new turn keeps the longest
 common prefix of what the buffer holds and the new prompt, and cuts the rest; without it every turn starts a
 new reservation and prefills the whole history again.
+
+A model's sliding-window layers are not in the reservation: each sequence keeps their window in a ring
+(engine/kv/window.py), and a reservation holds the global layers only.
 """
 
 from __future__ import annotations
@@ -36,8 +39,13 @@ class ContiguousView(StepView):
         super().__init__(seq_ids, past, n_new, cache.device)
         self.buffers = [cache.reservations[s] for s in seq_ids]
         self.keys = KeyMap.one_store_each([buf.capacity for buf in self.buffers], past, n_new, cache.device)
+        self.cache = cache
+        self.window = cache.windows.step(seq_ids, past, n_new) if cache.windows else None
 
     def attend(self, layer, q, k, v, spec=None):
+        if self.window is not None and self.window.slides(layer):
+            return self.window.attend(layer, q, k, v, spec)
+        layer = self.cache.local_layer(layer)
         keys, values = [buf.k_layers[layer] for buf in self.buffers], [buf.v_layers[layer] for buf in self.buffers]
         write(keys, values, k, v, self.keys)
         return attend(q, keys, values, self.keys, spec)
@@ -66,17 +74,28 @@ class ContiguousCache(KVCache):
             raise KVCacheFull(f"{len(token_ids)} tokens do not fit a reservation of {capacity}")
         held = self.reservations.get(seq_id)
         if self.prefix_reuse and held is not None and held.capacity >= len(token_ids):
-            keep = min(common_prefix_length(held.tokens, token_ids), len(token_ids) - 1)
+            keep = self.reusable(seq_id, held.tokens, token_ids)
             self.truncate(seq_id, keep)  # at least one token is left to compute: its logits start the reply
             return keep
         self.release(seq_id)
-        c = self.config
+        c = self.store_config
         shape = (c.num_layers, c.num_kv_heads, capacity, c.head_dim)
         self.reservations[seq_id] = Reservation(
             torch.empty(shape, dtype=self.dtype, device=self.device),
             torch.empty(shape, dtype=self.dtype, device=self.device),
         )
+        self._start_window(seq_id)
         return 0
+
+    def reusable(self, seq_id: int, held: list[int], token_ids: list[int]) -> int:
+        """The held prefix a new prompt may keep: the common prefix, leaving at least one token to compute, as
+        long as the sliding layers still hold its window (else none: the prompt is computed again)."""
+        keep = min(common_prefix_length(held, token_ids), len(token_ids) - 1)
+        return keep if self.window_holds(seq_id, keep) else 0
+
+    def _start_window(self, seq_id: int) -> None:
+        if self.windows:
+            self.windows.start(seq_id)
 
     def begin_step(self, seq_ids, new_tokens):
         past = [self.reservations[s].length for s in seq_ids]
@@ -101,6 +120,8 @@ class ContiguousCache(KVCache):
         if seq_id in self.reservations:
             self.reservations[seq_id].length = keep
             del self.reservations[seq_id].tokens[keep:]
+            if self.windows:
+                self.windows.truncate(seq_id, keep)
 
     def fork(self, src: int, dst: int) -> None:
         """dst starts holding what src holds: one buffer per sequence cannot share, so the bytes are copied
@@ -111,18 +132,23 @@ class ContiguousCache(KVCache):
         copy.k[:, :, :n] = buf.k[:, :, :n]  # [L, Hkv, n, D]
         copy.v[:, :, :n] = buf.v[:, :, :n]
         self.reservations[dst] = copy
+        if self.windows:
+            self.windows.fork(src, dst)
 
     def release(self, seq_id):
         self.reservations.pop(seq_id, None)
+        if self.windows:
+            self.windows.release(seq_id)
 
     def tokens_held(self, seq_id):
         buf = self.reservations.get(seq_id)
         return buf.length if buf else 0
 
     def stats(self, seq_id=None):
-        per_token = self.config.kv_bytes_per_token(self.bytes_per_element)
-        reserved = sum(r.k.nbytes + r.v.nbytes for r in self.reservations.values())
-        live = sum(r.length for r in self.reservations.values())
+        """allocated: the reservations and the sliding layers' rings; used: the formula for the live tokens (a
+        reservation's live tokens, a ring's live window)."""
+        reserved = sum(r.k.nbytes + r.v.nbytes for r in self.reservations.values()) + self.window_bytes()
+        formula = self.theoretical_bytes_of(r.length for r in self.reservations.values())
         return KVStats(self.name, tokens=self.tokens_held(seq_id), bytes_allocated=reserved,
-                       bytes_used=int(per_token * live), bytes_theoretical=self.theoretical_bytes(live),
+                       bytes_used=formula, bytes_theoretical=formula,
                        bytes_per_element=self.bytes_per_element, precision=self.precision)

@@ -4,7 +4,8 @@ Each sequence reserves codes and scales for the whole context when it starts, as
 The reservation is quantized in groups of `group` tokens (precision.CONTIGUOUS_GROUP), the way a paged pool
 quantizes its blocks, with the same full-precision window (engine/kv/quantized.py). A group is read like a paged
 block of that size, by the same attention routine, so a contiguous int4 cache gives the same bits as a paged int4
-pool whose blocks are as large as the group.
+pool whose blocks are as large as the group. A model's sliding-window layers are kept in a ring of their window
+per sequence, unquantized (engine/kv/window.py); a reservation holds the global layers.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from engine.kv import quant
 from engine.kv.attention import KeyMap, attend
 from engine.kv.base import KVCacheFull, KVStats, StepView
 from engine.kv.contiguous import ContiguousCache
-from engine.kv.paged import common_prefix_length
 from engine.kv.precision import CONTIGUOUS_GROUP, bytes_per_token
 from engine.kv.quantized import RESIDUAL, SINK, QuantState
 
@@ -55,9 +55,12 @@ class ContiguousQuantView(StepView):
         self.keys = KeyMap.build(tables, stores.to(cache.device), starts.to(cache.device), g, past, n_new,
                                  cache.device)
         self.upto = cache.state.upto_tensor(seq_ids)
+        self.window = cache.windows.step(seq_ids, past, n_new) if cache.windows else None
 
     def attend(self, layer, q, k, v, spec=None):
-        c = self.cache
+        if self.window is not None and self.window.slides(layer):
+            return self.window.attend(layer, q, k, v, spec)
+        c, layer = self.cache, self.cache.local_layer(layer)
         stores = [[buf.layers[t][layer] for buf in self.buffers] for t in range(4)]
         ops = kernels.for_activations(q)
         if ops is not None and (spec is None or spec.is_plain):
@@ -91,7 +94,7 @@ class ContiguousQuantCache(ContiguousCache):
         self.quantization_group = group
         residual = RESIDUAL[codec.name] if residual is None else residual
         sink = SINK[codec.name] if sink is None else sink
-        self.state = QuantState(codec, group, residual, sink, self.config, self.dtype, self.device)
+        self.state = QuantState(codec, group, residual, sink, self.store_config, self.dtype, self.device)
 
     def prepare(self, seq_id, token_ids, reserve_tokens: int | None = None):
         capacity = min(reserve_tokens or self.max_context, self.max_context)
@@ -100,15 +103,16 @@ class ContiguousQuantCache(ContiguousCache):
             raise KVCacheFull(f"{len(token_ids)} tokens do not fit a reservation of {capacity}")
         held = self.reservations.get(seq_id)
         if self.prefix_reuse and held is not None and held.capacity >= len(token_ids):
-            keep = min(common_prefix_length(held.tokens, token_ids), len(token_ids) - 1)
+            keep = self.reusable(seq_id, held.tokens, token_ids)
             self.truncate(seq_id, keep)
             return keep
         self.release(seq_id)
-        c = self.config
+        c = self.store_config
         tensors = self.codec.storage(c.num_layers, c.num_kv_heads, capacity // self.group, self.group, c.head_dim,
                                      self.device)
         self.reservations[seq_id] = QuantReservation(tensors)
         self.state.start(seq_id, upto=0)
+        self._start_window(seq_id)
         return 0
 
     def _make_view(self, seq_ids, past, n_new):
@@ -132,6 +136,8 @@ class ContiguousQuantCache(ContiguousCache):
         self.state.truncate(seq_id, keep, block_of)
         buf.length = keep
         del buf.tokens[keep:]
+        if self.windows:
+            self.windows.truncate(seq_id, keep)
 
     def release(self, seq_id):
         self.state.release(seq_id)
@@ -142,16 +148,17 @@ class ContiguousQuantCache(ContiguousCache):
         self.release(dst)
         self.reservations[dst] = QuantReservation([t.clone() for t in buf.tensors], buf.length, list(buf.tokens))
         self.state.fork(src, dst)
+        if self.windows:
+            self.windows.fork(src, dst)
 
     # ---- figures
-    def theoretical_bytes(self, tokens: int) -> int:
-        return int(bytes_per_token(self.config, self.codec.name, self.group) * tokens)
+    def store_bytes_per_token(self) -> float:
+        return bytes_per_token(self.store_config, self.codec.name, self.group)
 
     def stats(self, seq_id=None):
         windows = self.state.window_bytes()
-        reserved = sum(r.nbytes for r in self.reservations.values()) + windows
-        live = sum(r.length for r in self.reservations.values())
-        formula = self.theoretical_bytes(live)
+        reserved = sum(r.nbytes for r in self.reservations.values()) + windows + self.window_bytes()
+        formula = self.theoretical_bytes_of(r.length for r in self.reservations.values())
         return KVStats(self.name, tokens=self.tokens_held(seq_id), bytes_allocated=reserved,
                        bytes_used=formula + windows, bytes_theoretical=formula,
                        bytes_per_element=self.bytes_per_element, bytes_window=windows, precision=self.codec.name)

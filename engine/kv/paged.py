@@ -9,6 +9,12 @@ whose blocks are all free are given back when a sequence is released.
 Attention reads every sequence of a step in place through its block table, in one call per layer
 (engine/kv/attention.py): the keys are summed in position order whatever the block size or the chunks, so a
 pool that grew, a block size of 1 or 64 and a contiguous cache give the same bits.
+
+A model's sliding-window layers are not in the pool: each sequence keeps their window in a ring of the window and
+one block (engine/kv/window.py), and the blocks hold the global layers only. A released sequence's ring is parked
+under the hash of its last full block whose window it holds, and a new sequence's prefix-cache hit is cut to the
+longest run of blocks ending at such a parked window: the global layers' blocks alone cannot start a sequence
+whose sliding layers would miss their window.
 """
 
 from __future__ import annotations
@@ -59,9 +65,12 @@ class PagedView(StepView):
         self.tables = tables
         block_store, block_start = cache.block_map()
         self.keys = KeyMap.build(tables, block_store, block_start, cache.block_size, past, n_new, cache.device)
+        self.window = cache.windows.step(seq_ids, past, n_new) if cache.windows else None
 
     def attend(self, layer, q, k, v, spec=None):
-        c = self.cache
+        if self.window is not None and self.window.slides(layer):
+            return self.window.attend(layer, q, k, v, spec)
+        c, layer = self.cache, self.cache.local_layer(layer)
         keys, values = c.layer_stores(0, layer), c.layer_stores(1, layer)  # [Hkv, chunk slots, D] per chunk
         write(keys, values, k, v, self.keys)
         return attend(q, keys, values, self.keys, spec)
@@ -104,8 +113,9 @@ class PagedCache(KVCache):
         """The pool holds at most pool_tokens and at most budget_bytes (default: one context's worth of
         tokens). It starts empty and grows in chunks: first_chunk_tokens, then doubling, at most
         max_chunk_tokens a chunk (first_chunk_tokens >= the budget: one chunk, a single tensor)."""
-        super().__init__(model_config, dtype, device, max_context)
         self.block_size = block_size
+        self.window_slack = max(self.window_slack, block_size)  # a ring holds the window of a full block's end
+        super().__init__(model_config, dtype, device, max_context)
         max_blocks = self._max_blocks(pool_tokens, budget_bytes)
         first = min(-(-first_chunk_tokens // block_size), max_blocks)
         self.layout = ChunkLayout(block_size, max_blocks, first, max(first, max_chunk_tokens // block_size))
@@ -122,14 +132,14 @@ class PagedCache(KVCache):
         if budget_bytes is not None and budget_bytes < per_block:
             raise ConfigError(f"a KV budget of {budget_bytes:,} bytes holds no block: one block of {bs} tokens "
                              f"takes {per_block:,} bytes")
-        limits = [] if budget_bytes is None else [budget_bytes // per_block]
+        limits = [] if budget_bytes is None or not per_block else [budget_bytes // per_block]
         if pool_tokens is not None or budget_bytes is None:
             limits.append(-(-(pool_tokens or self.max_context) // bs))
         return min(limits)
 
     def _chunk_tensors(self, num_blocks: int, device: torch.device | str) -> list[torch.Tensor]:
         """The storage of a chunk of num_blocks blocks: keys and values, [L, Hkv, num_blocks * block_size, D]."""
-        c = self.config
+        c = self.store_config
         shape = (c.num_layers, c.num_kv_heads, num_blocks * self.block_size, c.head_dim)
         return [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(2)]
 
@@ -204,26 +214,39 @@ class PagedCache(KVCache):
         seq = self.seqs.get(seq_id)
         if seq is None:
             seq = self.seqs[seq_id] = Sequence(seq_id)
+            if self.windows:
+                self.windows.start(seq_id)
             if self.prefix_reuse:
                 self._share_cached_prefix(seq, token_ids)
         else:
             keep = min(common_prefix_length(seq.tokens, token_ids), len(token_ids) - 1)
-            self._truncate(seq, keep)
+            self._truncate(seq, keep if self.window_holds(seq_id, keep) else 0)
         return len(seq.tokens)
 
     def _share_cached_prefix(self, seq: Sequence, token_ids: list[int]) -> None:
-        bs, parent = self.block_size, None
-        for i in range((len(token_ids) - 1) // bs):  # at least one token is left to compute
+        hits = self._cached_prefix(token_ids)
+        if self.windows:  # the sliding layers' window must come with the blocks: cut to one that is parked
+            hits = hits[:self.windows.unpark(seq.seq_id, [h for _, h in hits])]
+        bs = self.block_size
+        for i, (block, h) in enumerate(hits):
+            self.pool.share(block)
+            seq.blocks.append(block)
+            seq.hashes.append(h)
+            seq.tokens += token_ids[i * bs:(i + 1) * bs]
+
+    def _cached_prefix(self, token_ids: list[int]) -> list[tuple[int, int]]:
+        """(block, chain hash) of the prompt's leading full blocks in the prefix cache, leaving at least one
+        token to compute. Changes nothing."""
+        bs, parent, hits = self.block_size, None, []
+        for i in range((len(token_ids) - 1) // bs):
             chunk = token_ids[i * bs:(i + 1) * bs]
             h = BlockPool.chain_hash(parent, chunk)
             block = self.pool.lookup(h, chunk)
             if block is None:
-                return
-            self.pool.share(block)
-            seq.blocks.append(block)
-            seq.hashes.append(h)
-            seq.tokens += chunk
+                break
+            hits.append((block, h))
             parent = h
+        return hits
 
     def truncate(self, seq_id, keep):
         self.check_truncate(seq_id, keep)
@@ -267,6 +290,8 @@ class PagedCache(KVCache):
 
     def _keep_tokens(self, seq: Sequence, keep: int) -> None:
         del seq.tokens[keep:]
+        if self.windows:
+            self.windows.truncate(seq.seq_id, keep)
 
     def fork(self, src: int, dst: int) -> None:
         """dst starts holding what src holds by sharing its blocks (one more reference each): a branch of a
@@ -280,6 +305,8 @@ class PagedCache(KVCache):
         for block in parent.blocks:
             self.pool.share(block)
         self.seqs[dst] = Sequence(dst, list(parent.tokens), list(parent.blocks), list(parent.hashes))
+        if self.windows:
+            self.windows.fork(src, dst)
 
     # ---- a step
     def begin_step(self, seq_ids, new_tokens):
@@ -326,8 +353,16 @@ class PagedCache(KVCache):
     def release(self, seq_id):
         seq = self.seqs.pop(seq_id, None)
         if seq is not None:
+            self._park_window(seq)
             self.pool.free(seq.blocks)
             self.give_back()
+
+    def _park_window(self, seq: Sequence) -> None:
+        """The sliding layers' ring, kept for the prefix cache under the sequence's last registered block."""
+        if self.windows and seq.hashes and self.prefix_reuse:
+            self.windows.park(seq.seq_id, len(seq.hashes) * self.block_size, seq.hashes[-1])
+        elif self.windows:
+            self.windows.release(seq.seq_id)
 
     def tokens_held(self, seq_id):
         seq = self.seqs.get(seq_id)
@@ -342,21 +377,29 @@ class PagedCache(KVCache):
 
     def stats(self, seq_id=None):
         pool = self.pool
-        live = sum(len(s.tokens) for s in self.seqs.values())
         return KVStats(
             self.name, tokens=self.tokens_held(seq_id),
             bytes_allocated=self.bytes_allocated(),
-            bytes_used=pool.num_used * self.bytes_per_block(),
-            bytes_theoretical=self.theoretical_bytes(live),
+            bytes_used=pool.num_used * self.bytes_per_block() + self._window_bytes_used(),
+            bytes_theoretical=self.theoretical_bytes_of(len(s.tokens) for s in self.seqs.values()),
             bytes_per_element=self.bytes_per_element,
             block_size=self.block_size, num_blocks=pool.num_blocks, num_blocks_used=pool.num_used,
             num_blocks_free=pool.num_free, num_blocks_cached=pool.num_cached,
             block_states=self.block_states(seq_id),
-            bytes_budget=self.budget_bytes(), num_blocks_budget=self.layout.max_blocks, precision=self.precision,
+            bytes_budget=self.budget_bytes() + self.window_bytes(),  # the rings come beside the pool's budget
+            num_blocks_budget=self.layout.max_blocks, precision=self.precision,
         )
 
     def bytes_allocated(self) -> int:
-        return sum(t.nbytes for t in self.storage_tensors())
+        """The pool's chunks, and the sliding layers' rings (the sequences' and those parked)."""
+        return sum(t.nbytes for t in self.storage_tensors()) + self.window_bytes()
+
+    def _window_bytes_used(self) -> int:
+        """Of the rings: the rows holding each sequence's live window."""
+        if not self.sliding:
+            return 0
+        per_token = self.sliding.sliding_config(self.config).kv_bytes_per_token(self.dtype.itemsize)
+        return int(sum(per_token * min(len(s.tokens), self.sliding.window) for s in self.seqs.values()))
 
     def block_states(self, seq_id: int | None) -> bytes:
         states = [BLOCK_OTHER if s not in (BLOCK_FREE, BLOCK_CACHED) else s for s in self.pool.states()]

@@ -5,6 +5,9 @@ engine/kv/quant.py).
 Keys are quantized per channel over the tokens of one block, values per token, when a block leaves the
 sequence's full-precision window (engine/kv/quantized.py): int8 when the block fills, int4 once `residual`
 newer tokens follow it. A block enters the prefix cache only once it holds its codes.
+
+A model's sliding-window layers are kept as the float pool keeps them, in a ring of their window per sequence
+(engine/kv/window.py), unquantized: the pool's codes and the full-precision window hold the global layers only.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ class QuantView(PagedView):
         self._locators = None
 
     def attend(self, layer, q, k, v, spec=None):
-        c = self.cache
+        if self.window is not None and self.window.slides(layer):
+            return self.window.attend(layer, q, k, v, spec)
+        c, layer = self.cache, self.cache.local_layer(layer)
         stores = [c.layer_stores(i, layer) for i in range(4)]  # key codes, value codes, key scales, value scales
         ops = kernels.for_activations(q)
         if ops is not None and (spec is None or spec.is_plain):
@@ -64,13 +69,13 @@ class PagedQuantCache(PagedCache):
         self.quantization_group = self.block_size
         residual = RESIDUAL[codec.name] if residual is None else residual
         sink = SINK[codec.name] if sink is None else sink
-        self.state = QuantState(codec, self.block_size, residual, sink, self.config, self.dtype, self.device)
+        self.state = QuantState(codec, self.block_size, residual, sink, self.store_config, self.dtype, self.device)
         self.sink_rows: OrderedDict[int, torch.Tensor] = OrderedDict()  # block hash -> its sink rows
 
     def _chunk_tensors(self, num_blocks: int, device) -> list[torch.Tensor]:
         """Key and value codes [L, Hkv, slots, W]; key scales [L, Hkv, blocks, (2,) D]; value scales
         [L, Hkv, slots, (2)] (quant.KVCodec.storage)."""
-        c = self.config
+        c = self.store_config
         return self.codec.storage(c.num_layers, c.num_kv_heads, num_blocks, self.block_size, c.head_dim, device)
 
     def _make_view(self, seq_ids, past, n_new, tables):
@@ -95,7 +100,7 @@ class PagedQuantCache(PagedCache):
             rows = self.sink_rows.get(h)
             if rows is None:
                 rows = torch.stack([torch.stack(self._block_codes(layer, seq.blocks[i]))
-                                    for layer in range(self.config.num_layers)], dim=1)[:, :, :, : end - i * bs]
+                                    for layer in range(self.store_config.num_layers)], dim=1)[:, :, :, : end - i * bs]
             else:
                 self.sink_rows.move_to_end(h)
             window[:, :, :, i * bs:end] = rows.to(window.dtype)
@@ -141,8 +146,8 @@ class PagedQuantCache(PagedCache):
         self.state.fork(src, dst)
 
     # ---- figures
-    def theoretical_bytes(self, tokens: int) -> int:
-        return int(bytes_per_token(self.config, self.codec.name, self.block_size) * tokens)
+    def store_bytes_per_token(self) -> float:
+        return bytes_per_token(self.store_config, self.codec.name, self.block_size)
 
     def bytes_allocated(self) -> int:
         """The pool, the sequences' windows and the sink rows kept for the prefix cache."""

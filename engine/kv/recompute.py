@@ -52,5 +52,5 @@ class RecomputeCache(KVCache):
     def stats(self, seq_id=None):
         context = self.context_tokens.get(seq_id, 0)
         return KVStats(self.name, tokens=context, bytes_allocated=0, bytes_used=0,
-                       bytes_theoretical=self.theoretical_bytes(sum(self.context_tokens.values())),
+                       bytes_theoretical=self.theoretical_bytes_of(self.context_tokens.values()),
                        bytes_per_element=self.bytes_per_element, precision=self.precision)
