@@ -232,6 +232,25 @@ def test_the_one_call_layer_gives_the_bits_of_op_by_op(tiny_config, tokenizer, c
     assert same_bits(one_call, reference)
 
 
+@pytest.mark.parametrize("cache", ["contiguous", "paged", "paged-int4"])
+def test_global_layers_beside_sliding_ones_run_as_one_call_with_the_bits_of_op_by_op(tiny_config, tokenizer, cache):
+    """Layers 1 and 3 slide (a ring holds their window) and run op by op; the plain global layers, whose stores
+    are the cache's layers 0 and 1, run as one call."""
+    config = dataclasses.replace(tiny_config, num_layers=4, sliding_window=8, sliding_layers=(False, True) * 2)
+    layout, _, precision = cache.partition("-")
+
+    def run() -> list:
+        model = LlamaModel.random(config, seed=0, std=0.1)
+        kv = {"kv_dtype": precision} if precision else {}
+        return batch_and_verify(Engine(model, tokenizer, EngineConfig(weights="int4", cache=layout, **kv)))
+
+    with OpCounter() as counter:
+        one_call = run()
+    assert counter.ops.count("kvscope.decoder_layer") > 0
+    with op_by_op():
+        assert same_bits(one_call, run())
+
+
 def test_a_weight_format_changed_live_runs_in_the_one_call_layer_with_its_new_weights(tiny_config, tokenizer):
     engine = tiny_engine(tiny_config, tokenizer, "float32", cache="paged")
     decode(engine, 1, PROMPT, 2)  # the layers' one-call arguments are looked up: float32 tensors

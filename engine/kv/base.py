@@ -69,6 +69,12 @@ class StepView(ABC):
         where this layout attends only through attend() (then the layer runs op by op)."""
         return None
 
+    def store_layer(self, layer: int) -> int | None:
+        """The layer's index in the cache's own stores (which hold no sliding layer), or None for a sliding layer:
+        its keys are in its ring, read through attend()."""
+        window = getattr(self, "window", None)
+        return None if window is not None and window.slides(layer) else self.cache.local_layer(layer)
+
 
 class KVCache(ABC):
     """A KV-cache strategy. Sequences are identified by integer ids chosen by the caller."""

@@ -51,7 +51,9 @@ class ContiguousView(StepView):
         return attend(q, keys, values, self.keys, spec)
 
     def fused_kv(self, layer):
-        return self.keys.fused_kv([b.k_layers[layer] for b in self.buffers], [b.v_layers[layer] for b in self.buffers])
+        if (at := self.store_layer(layer)) is None:
+            return None
+        return self.keys.fused_kv([b.k_layers[at] for b in self.buffers], [b.v_layers[at] for b in self.buffers])
 
 
 class ContiguousCache(KVCache):

@@ -78,8 +78,10 @@ class ContiguousQuantView(StepView):
         return attend(q, [k for k, _ in held], [v for _, v in held], dequantized, spec)
 
     def fused_kv(self, layer):
-        stores = [[buf.layers[t][layer] for buf in self.buffers] for t in range(4)]
-        return self.cache.state.fused_kv(stores, self.seq_ids, layer, self.keys, self.upto)
+        if (at := self.store_layer(layer)) is None:
+            return None
+        stores = [[buf.layers[t][at] for buf in self.buffers] for t in range(4)]
+        return self.cache.state.fused_kv(stores, self.seq_ids, at, self.keys, self.upto)
 
 
 class ContiguousQuantCache(ContiguousCache):

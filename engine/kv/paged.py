@@ -76,7 +76,9 @@ class PagedView(StepView):
         return attend(q, keys, values, self.keys, spec)
 
     def fused_kv(self, layer):
-        return self.keys.fused_kv(self.cache.layer_stores(0, layer), self.cache.layer_stores(1, layer))
+        if (at := self.store_layer(layer)) is None:
+            return None
+        return self.keys.fused_kv(self.cache.layer_stores(0, at), self.cache.layer_stores(1, at))
 
 
 @dataclass

@@ -51,8 +51,10 @@ class QuantView(PagedView):
         return attend(q, [k for k, _ in held], [v for _, v in held], dequantized, spec)
 
     def fused_kv(self, layer):
-        stores = [self.cache.layer_stores(i, layer) for i in range(4)]
-        return self.cache.state.fused_kv(stores, self.seq_ids, layer, self.keys, self.upto)
+        if (at := self.store_layer(layer)) is None:
+            return None
+        stores = [self.cache.layer_stores(i, at) for i in range(4)]
+        return self.cache.state.fused_kv(stores, self.seq_ids, at, self.keys, self.upto)
 
 
 class PagedQuantCache(PagedCache):
