@@ -342,12 +342,13 @@ class Scheduler:
         c["peak_running"] = max(c["peak_running"], len(self.running) + 1)
 
     def _prefill_batch(self) -> tuple[list[Request], list[list[int]]]:
-        """The oldest prefilling requests' next pieces whose padded rows (requests x widest piece) fit one step."""
+        """The oldest prefilling request's next piece, and those of later ones while the padded rows (requests x
+        widest piece) still fit one step (the short last pieces of several prompts share a step)."""
         batch, feeds, width, rows = [], [], 0, self.config.step_rows
         for req in (r for r in self.running if r.remaining > 1):
             piece = self._next_piece(req)
             if batch and (len(batch) + 1) * max(width, len(piece)) > rows:
-                break
+                continue
             width = max(width, len(piece))
             batch.append(req)
             feeds.append(piece)

@@ -118,6 +118,16 @@ def test_every_step_computes_at_most_step_rows_rows(tiny_engine_factory):
     assert max(widths) == 16 and sched.stats().peak_running == 20
 
 
+def test_the_short_last_pieces_of_several_prompts_share_a_step(tiny_engine_factory):
+    engine = tiny_engine_factory()
+    steps = []
+    step = engine.step
+    engine.step = lambda ids, feeds, **kw: steps.append([len(f) for f in feeds]) or step(ids, feeds, **kw)
+    sched = Scheduler(engine, SchedulerConfig(step_rows=16))
+    run_all(sched, prompts(3, [21, 40, 7]), greedy(1))  # pieces 16+5, 16+16+8, 7
+    assert steps[:4] == [[16], [5, 7], [16], [16]] and steps[4:] == [[8]]
+
+
 def test_a_prompts_pieces_end_on_multiples_of_step_rows_whatever_its_prefix_hit(tiny_engine_factory):
     """Absolute piece boundaries: a prompt is cut the same way alone, in a batch, or after a prefix-cache hit."""
     engine = tiny_engine_factory(block_size=8)
