@@ -285,8 +285,9 @@ class Scheduler:
         decoding = [r for r in self.running if r.remaining == 1]
         rows = self.config.step_rows
         for i in range(0, len(decoding), rows):
-            group = decoding[i:i + rows]
-            self._run_step(group, [r.tokens[-1:] for r in group])
+            group = [r for r in decoding[i:i + rows] if r in self.running]  # an earlier group may have preempted one
+            if group:
+                self._run_step(group, [r.tokens[-1:] for r in group])
         batch, feeds = self._prefill_batch()
         if batch:
             self._run_step(batch, feeds)

@@ -168,6 +168,17 @@ def test_a_full_pool_preempts_the_newest_request_instead_of_failing_one(tiny_eng
     assert engine.cache.pool.num_used == 0
 
 
+def test_more_decoding_requests_than_step_rows_take_several_steps_and_survive_preemption(tiny_engine_factory):
+    engine = tiny_engine_factory(max_context=128, pool_tokens=128)
+    sched = Scheduler(engine, SchedulerConfig(step_rows=2))
+    batch = prompts(6, [10, 14])  # 6 requests in decode steps of 2 rows; they cannot all grow to 50 tokens
+    col, ids = run_all(sched, batch, greedy(40))
+    assert sched.stats().num_preemptions >= 1
+    for rid, prompt in zip(ids, batch):
+        assert col.tokens(rid) == alone(tiny_engine_factory, prompt, greedy(40), max_context=128, pool_tokens=128)
+    assert engine.cache.pool.num_used == 0
+
+
 def test_cancel_releases_blocks_at_the_next_tick(tiny_engine_factory):
     engine = tiny_engine_factory()
     sched = Scheduler(engine)
