@@ -12,10 +12,12 @@ greedy request gives the same tokens concurrent or alone, after a prefix-cache h
 preemption or not (by construction; tests/test_serve_greedy.py checks it on the real default model). A tick:
 - every request with exactly one token left (decoding) advances in one batched `engine.step` (more than
   `step_rows` of them: several steps);
-- then at most one prefill step: the oldest requests still prefilling advance by a piece that ends at the next
-  multiple of `step_rows` (absolute positions, so the pieces of a prompt are the same whatever else runs), several
-  requests in one step while their padded rows fit. A new prompt delays the running streams by one such step per
-  token, never by its whole length.
+- then at most one prefill step: requests still prefilling advance by a piece that ends at the next multiple of
+  `step_rows` (absolute positions, so the pieces of a prompt are the same whatever else runs), round robin (the
+  one whose last piece is oldest first), several in one step while their padded rows fit. A new prompt delays the
+  running streams by one such step per token, never by its whole length; prompts that arrive together finish
+  their prefill together (their short last pieces share steps) instead of the first one decoding while the
+  others' pieces stall it.
 When a request has computed all its tokens, the last logits sample its next token.
 
 Admission (paged caches): the oldest waiting request joins when the blocks it still needs for its tokens and one
@@ -145,6 +147,7 @@ class Request:
     num_computed: int = 0  # leading tokens whose keys and values the cache holds
     prefix_hit: int = 0
     submitted: float = 0.0
+    turn: int = 0  # its place in the prefill round robin: taken at admission and again after each piece
     admitted_at: float | None = None  # the first admission (or fork): the end of its queue time
     last_token_at: float | None = None
     counted: bool = False  # prompt tokens counted in the stats
@@ -198,6 +201,7 @@ class Scheduler:
         self._finished_by_reason: Counter[str] = Counter()
         self._observers: list[Callable[[Output], None]] = []
         self._stats = SchedulerStats()
+        self._turns = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._publish_stats()
@@ -317,6 +321,7 @@ class Scheduler:
                 return
             self.waiting.popleft()
             req.num_computed = req.prefix_hit = hit
+            req.turn = next(self._turns)
             req.admitted_at = req.admitted_at or time.perf_counter()
             self._count_admission(req, hit)
             self.running.append(req)
@@ -343,14 +348,16 @@ class Scheduler:
         c["peak_running"] = max(c["peak_running"], len(self.running) + 1)
 
     def _prefill_batch(self) -> tuple[list[Request], list[list[int]]]:
-        """The oldest prefilling request's next piece, and those of later ones while the padded rows (requests x
-        widest piece) still fit one step (the short last pieces of several prompts share a step)."""
+        """Round robin: the next piece of the prefilling request served least recently, then those of the next
+        ones while the padded rows (requests x widest piece) still fit one step."""
         batch, feeds, width, rows = [], [], 0, self.config.step_rows
-        for req in (r for r in self.running if r.remaining > 1):
+        prefilling = sorted((r for r in self.running if r.remaining > 1), key=lambda r: r.turn)
+        for req in prefilling:
             piece = self._next_piece(req)
             if batch and (len(batch) + 1) * max(width, len(piece)) > rows:
                 continue
             width = max(width, len(piece))
+            req.turn = next(self._turns)
             batch.append(req)
             feeds.append(piece)
         return batch, feeds

@@ -118,14 +118,27 @@ def test_every_step_computes_at_most_step_rows_rows(tiny_engine_factory):
     assert max(widths) == 16 and sched.stats().peak_running == 20
 
 
-def test_the_short_last_pieces_of_several_prompts_share_a_step(tiny_engine_factory):
+def test_prompts_that_arrive_together_take_pieces_in_turn_and_share_steps_with_short_ones(tiny_engine_factory):
     engine = tiny_engine_factory()
     steps = []
     step = engine.step
     engine.step = lambda ids, feeds, **kw: steps.append([len(f) for f in feeds]) or step(ids, feeds, **kw)
     sched = Scheduler(engine, SchedulerConfig(step_rows=16))
     run_all(sched, prompts(3, [21, 40, 7]), greedy(1))  # pieces 16+5, 16+16+8, 7
-    assert steps[:4] == [[16], [5, 7], [16], [16]] and steps[4:] == [[8]]
+    assert steps == [[16], [16], [7, 5], [16], [8]]  # round robin; the 7 and the 5 share a step
+
+
+def test_a_running_stream_is_stalled_by_one_piece_per_tick_whatever_arrives(tiny_engine_factory):
+    """Four prompts arriving while a stream decodes: every tick still gives that stream its token."""
+    sched = Scheduler(tiny_engine_factory(), SchedulerConfig(step_rows=16))
+    col = Collector()
+    first = sched.submit(prompts(1, [8])[0], greedy(40), col.sink)
+    sched.tick()
+    later = [sched.submit(p, greedy(4), col.sink) for p in prompts(4, [40, 70, 33, 90], seed=4)]
+    while not all(col.outputs.get(r) for r in later):
+        before = len(col.tokens(first))
+        sched.tick()
+        assert len(col.tokens(first)) == before + 1
 
 
 def test_a_prompts_pieces_end_on_multiples_of_step_rows_whatever_its_prefix_hit(tiny_engine_factory):
