@@ -1,4 +1,4 @@
-"""Concurrent greedy requests give the tokens each gives alone, on the real default model as `serve` loads it.
+"""Concurrent greedy requests give the tokens each gives alone, on the real default model as `serve` runs it.
 
 By construction (engine/scheduler.py): every forward computes at most the engine's batch-invariant number of
 rows and a prompt is cut into pieces at absolute multiples of it, so neither the batch, nor a prefix-cache hit,
@@ -15,6 +15,7 @@ from engine_helpers import greedy, one_torch_thread
 from engine.chat import Message, prompt_ids
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.model import LlamaModel
 from engine.scheduler import Output, Scheduler, SchedulerConfig
 
 TOPICS = ("a lighthouse keeper", "a lost robot", "the first bakery on Mars", "a dragon who feared heights",
@@ -22,11 +23,18 @@ TOPICS = ("a lighthouse keeper", "a lost robot", "the first bakery on Mars", "a 
 NEW_TOKENS = 40
 
 
+def serve_like_engine(default_weights, kv_dtype: str = "float16", **config) -> Engine:
+    """The default model as `serve` runs it here (its auto choices on this machine: int4 weights, float16 KV;
+    every float KV precision is exact), paged in blocks of 16."""
+    model = LlamaModel.from_hf_state_dict(default_weights.config, default_weights.state_dict)
+    return Engine(model, default_weights.tokenizer, EngineConfig(cache="paged", block_size=16, weights="int4",
+                                                                 kv_dtype=kv_dtype, **config), default_weights.name)
+
+
 @pytest.fixture(scope="module")
 def serve_engine(default_weights):
-    """The default model with serve's defaults (auto weights, auto KV precision, paged, blocks of 16)."""
     with one_torch_thread():
-        yield Engine.load(None, EngineConfig(cache="paged", block_size=16))
+        yield serve_like_engine(default_weights)
 
 
 def story(engine: Engine, topic: str) -> list[int]:
@@ -74,15 +82,12 @@ def test_concurrent_greedy_streams_equal_each_request_alone(serve_engine):
     assert sched.stats().prefix_hits > 0 and sched.cache.pool.num_used == 0
 
 
-def test_a_preempted_request_is_recomputed_to_the_same_tokens(serve_engine):
+def test_a_preempted_request_is_recomputed_to_the_same_tokens(serve_engine, default_weights):
     """A pool too small for all of them: the newest request is preempted and its prompt and reply recomputed in
     pieces; its tokens are still those it gives alone."""
     with one_torch_thread():
         prompts = [story(serve_engine, t) for t in TOPICS[:4]]
-        small = Engine(serve_engine.model, serve_engine.tokenizer,
-                       EngineConfig(cache="paged", block_size=16, pool_tokens=256, max_context=256,
-                                    weights=serve_engine.weight_format, kv_dtype=serve_engine.kv_dtype_name),
-                       serve_engine.model_name)
+        small = serve_like_engine(default_weights, pool_tokens=256, max_context=256)
         sched = Scheduler(small)
         alone = [run(sched, [p])[0] for p in prompts]
         together = run(sched, prompts)
@@ -98,12 +103,13 @@ def test_logits_of_a_prompt_cut_into_pieces_equal_those_of_other_cuts(serve_engi
     cache, results, hits = serve_engine.cache, [], []
     with one_torch_thread():
         for seq_id, piece in enumerate((rows, rows // 2, 5, 1), start=900):
-            start = cache.prepare(seq_id, ids)  # the first computes every token, the others hit its blocks
+            start = cache.prepare(seq_id, ids)  # the first computes all but the template's block; the others
+            # hit its blocks too
             hits.append(start)
             while start < len(ids):
                 logits = serve_engine.step([seq_id], [ids[start:start + piece]])[0]
                 start += piece
             results.append(logits)
             cache.release(seq_id)
-    assert hits[0] == 0 and all(h > 0 for h in hits[1:])
+    assert all(h > hits[0] for h in hits[1:])  # the later cuts start where the first one's blocks end
     assert all(torch.equal(results[0], r) for r in results[1:])
