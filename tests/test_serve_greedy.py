@@ -69,10 +69,12 @@ def run(sched: Scheduler, prompts: list[list[int]], start_every: int = 0) -> lis
     return [streams.tokens(i) for i in ids]
 
 
-def test_concurrent_greedy_streams_equal_each_request_alone(serve_engine):
+@pytest.mark.parametrize("kv_dtype", ["float16", "int8"])  # int8: its blocks fill at a piece's end, as alone
+def test_concurrent_greedy_streams_equal_each_request_alone(default_weights, kv_dtype):
     with one_torch_thread():
-        prompts = [story(serve_engine, t) for t in TOPICS]
-        sched = Scheduler(serve_engine, SchedulerConfig(max_concurrency=16))
+        engine = serve_like_engine(default_weights, kv_dtype)
+        prompts = [story(engine, t) for t in TOPICS]
+        sched = Scheduler(engine, SchedulerConfig(max_concurrency=16))
         alone = [run(sched, [p])[0] for p in prompts]  # the later ones hit the earlier ones' cached blocks
         together = run(sched, prompts)  # every prompt's own blocks are cached now: other hits, other pieces
         staggered = run(sched, prompts[::-1], start_every=5)  # arriving while the others decode
