@@ -14,7 +14,7 @@ preemption or not (by construction; tests/test_serve_greedy.py checks it on the 
   `step_rows` of them: several steps);
 - then at most one prefill step: requests still prefilling advance by a piece that ends at the next multiple of
   `step_rows` (absolute positions, so the pieces of a prompt are the same whatever else runs), round robin (the
-  one whose last piece is oldest first), several in one step while their padded rows fit. A new prompt delays the
+  one served least recently first), several in one step while their padded rows fit. A new prompt delays the
   running streams by one such step per token, never by its whole length; prompts that arrive together finish
   their prefill together (their short last pieces share steps) instead of the first one decoding while the
   others' pieces stall it.
