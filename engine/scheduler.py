@@ -4,11 +4,20 @@ No HTTP here (the server is a thin layer over this). One thread owns the engine:
 loop on it; any other thread only calls `submit`, `cancel` and `stats`, which are thread-safe.
 
 A request's tokens are its prompt followed by what it generated; the cache holds the first `num_computed` of
-them. A tick feeds every request the tokens it has not computed yet:
-- every request with exactly one token left (decoding) advances in ONE batched `engine.step`;
-- requests still prefilling advance by a chunk (at most `prefill_chunk` tokens each, `max_prefill_tokens`
-  padded tokens per step) in one more batched step, so a long prompt never stalls the others for more than a
-  chunk. Decoding rows are not padded to a chunk's width: that would multiply their matmul rows by the chunk.
+them. Every forward the scheduler runs computes at most `step_rows` rows (sequences x fed tokens, padding
+included): the engine's batch-invariant width (engine.weights.linear.DECODE_ROWS), up to which a projection gives
+each row the bits it gives that row alone, and attention sums each row in position order whatever the chunking.
+So a token's keys, values and logits never depend on what else ran in its step or how its prompt was cut, and a
+greedy request gives the same tokens concurrent or alone, after a prefix-cache hit or not, recomputed after a
+preemption or not (by construction; tests/test_serve_greedy.py checks it on the real default model). A tick:
+- every request with exactly one token left (decoding) advances in one batched `engine.step` (more than
+  `step_rows` of them: several steps);
+- then at most one prefill step: requests still prefilling advance by a piece that ends at the next multiple of
+  `step_rows` (absolute positions, so the pieces of a prompt are the same whatever else runs), round robin (the
+  one served least recently first), several in one step while their padded rows fit. A new prompt delays the
+  running streams by one such step per token, never by its whole length; prompts that arrive together finish
+  their prefill together (their short last pieces share steps) instead of the first one decoding while the
+  others' pieces stall it.
 When a request has computed all its tokens, the last logits sample its next token.
 
 Admission (paged caches): the oldest waiting request joins when the blocks it still needs for its tokens and one
@@ -45,6 +54,7 @@ from engine.config import ConfigError, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv.base import KVCacheFull, KVStats
 from engine.sampler import Sampler
+from engine.weights.linear import DECODE_ROWS
 
 LogitsAdjust = Callable  # (logits [V], generated token ids) -> logits [V]: penalties, biases, masks
 
@@ -52,11 +62,10 @@ LogitsAdjust = Callable  # (logits [V], generated token ids) -> logits [V]: pena
 @dataclass
 class SchedulerConfig:
     max_concurrency: int = 16  # running requests at most; the rest wait
-    prefill_chunk: int = 256  # prompt tokens of one request per step
-    max_prefill_tokens: int = 512  # padded tokens (requests x widest chunk) in one prefill step
+    step_rows: int = DECODE_ROWS  # rows one forward computes at most (see the module docstring)
 
     def __post_init__(self):
-        for name in ("max_concurrency", "prefill_chunk", "max_prefill_tokens"):
+        for name in ("max_concurrency", "step_rows"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -138,6 +147,7 @@ class Request:
     num_computed: int = 0  # leading tokens whose keys and values the cache holds
     prefix_hit: int = 0
     submitted: float = 0.0
+    turn: int = 0  # its place in the prefill round robin: taken at admission and again after each piece
     admitted_at: float | None = None  # the first admission (or fork): the end of its queue time
     last_token_at: float | None = None
     counted: bool = False  # prompt tokens counted in the stats
@@ -191,6 +201,7 @@ class Scheduler:
         self._finished_by_reason: Counter[str] = Counter()
         self._observers: list[Callable[[Output], None]] = []
         self._stats = SchedulerStats()
+        self._turns = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._publish_stats()
@@ -276,8 +287,11 @@ class Scheduler:
         self._admit()
         ran = bool(self.running)
         decoding = [r for r in self.running if r.remaining == 1]
-        if decoding:
-            self._run_step(decoding, [r.tokens[-1:] for r in decoding])
+        rows = self.config.step_rows
+        for i in range(0, len(decoding), rows):
+            group = [r for r in decoding[i:i + rows] if r in self.running]  # an earlier group may have preempted one
+            if group:
+                self._run_step(group, [r.tokens[-1:] for r in group])
         batch, feeds = self._prefill_batch()
         if batch:
             self._run_step(batch, feeds)
@@ -307,6 +321,7 @@ class Scheduler:
                 return
             self.waiting.popleft()
             req.num_computed = req.prefix_hit = hit
+            req.turn = next(self._turns)
             req.admitted_at = req.admitted_at or time.perf_counter()
             self._count_admission(req, hit)
             self.running.append(req)
@@ -333,15 +348,24 @@ class Scheduler:
         c["peak_running"] = max(c["peak_running"], len(self.running) + 1)
 
     def _prefill_batch(self) -> tuple[list[Request], list[list[int]]]:
-        batch, feeds, width = [], [], 0
-        for req in (r for r in self.running if r.remaining > 1):
-            n = min(req.remaining, self.config.prefill_chunk)
-            if batch and (len(batch) + 1) * max(width, n) > self.config.max_prefill_tokens:
-                break
-            width = max(width, n)
+        """Round robin: the next piece of the prefilling request served least recently, then those of the next
+        ones while the padded rows (requests x widest piece) still fit one step."""
+        batch, feeds, width, rows = [], [], 0, self.config.step_rows
+        prefilling = sorted((r for r in self.running if r.remaining > 1), key=lambda r: r.turn)
+        for req in prefilling:
+            piece = self._next_piece(req)
+            if batch and (len(batch) + 1) * max(width, len(piece)) > rows:
+                continue
+            width = max(width, len(piece))
+            req.turn = next(self._turns)
             batch.append(req)
-            feeds.append(req.tokens[req.num_computed:req.num_computed + n])
+            feeds.append(piece)
         return batch, feeds
+
+    def _next_piece(self, req: Request) -> list[int]:
+        """The tokens from num_computed up to the next multiple of step_rows (or the last token)."""
+        rows, start = self.config.step_rows, req.num_computed
+        return req.tokens[start:(start // rows + 1) * rows]
 
     def _run_step(self, batch: list[Request], feeds: list[list[int]]) -> None:
         while batch:

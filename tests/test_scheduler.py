@@ -60,7 +60,7 @@ def alone(engine_factory, prompt, params, **config):
 
 def test_batched_greedy_outputs_equal_one_at_a_time(tiny_engine_factory):
     batch = prompts(6, [5, 40, 17, 90, 3, 33])
-    sched = Scheduler(tiny_engine_factory(), SchedulerConfig(prefill_chunk=32))
+    sched = Scheduler(tiny_engine_factory(), SchedulerConfig(step_rows=8))
     col, ids = run_all(sched, batch, greedy(12))
     for rid, prompt in zip(ids, batch):
         assert col.tokens(rid) == alone(tiny_engine_factory, prompt, greedy(12))
@@ -72,7 +72,7 @@ def test_batched_greedy_outputs_equal_one_at_a_time(tiny_engine_factory):
 @pytest.mark.parametrize("cache", ["contiguous", "paged-int8"])
 def test_other_caches_batch_the_same_way(tiny_engine_factory, cache):
     batch = prompts(4, [9, 50, 21, 70], seed=5)
-    sched = Scheduler(tiny_engine_factory(cache=cache), SchedulerConfig(prefill_chunk=32))
+    sched = Scheduler(tiny_engine_factory(cache=cache), SchedulerConfig(step_rows=8))
     col, ids = run_all(sched, batch, greedy(10))
     for rid, prompt in zip(ids, batch):
         assert col.tokens(rid) == alone(tiny_engine_factory, prompt, greedy(10), cache=cache)
@@ -92,10 +92,10 @@ def test_scheduler_output_equals_engine_generate(tiny_engine_factory):
     assert col.tokens(rid) == expected
 
 
-def test_a_long_prompt_is_chunked_and_does_not_stall_decoding(tiny_engine_factory):
-    sched = Scheduler(tiny_engine_factory(), SchedulerConfig(prefill_chunk=64, max_prefill_tokens=64))
+def test_a_long_prompt_is_cut_into_pieces_and_does_not_stall_decoding(tiny_engine_factory):
+    sched = Scheduler(tiny_engine_factory(), SchedulerConfig(step_rows=16))
     col = Collector()
-    short = sched.submit(prompts(1, [8])[0], greedy(40), col.sink)
+    short = sched.submit(prompts(1, [8])[0], greedy(60), col.sink)
     sched.tick()  # the short prompt is prefilled: it decodes from now on
     long_id = sched.submit(prompts(1, [600], seed=1)[0], greedy(4), col.sink)
     ticks_until_first_long_token = 0
@@ -104,7 +104,56 @@ def test_a_long_prompt_is_chunked_and_does_not_stall_decoding(tiny_engine_factor
         sched.tick()
         ticks_until_first_long_token += 1
         assert len(col.tokens(short)) == before + 1, "the decoding request got a token every tick"
-    assert ticks_until_first_long_token == -(-600 // 64)  # one chunk per tick
+    assert ticks_until_first_long_token == -(-600 // 16)  # one piece of 16 rows per tick
+
+
+def test_every_step_computes_at_most_step_rows_rows(tiny_engine_factory):
+    """Rows = sequences x fed tokens, padding included: within the width where the kernels are batch-invariant."""
+    engine = tiny_engine_factory()
+    widths = []
+    step = engine.step
+    engine.step = lambda ids, feeds, **kw: widths.append(len(ids) * max(map(len, feeds))) or step(ids, feeds, **kw)
+    sched = Scheduler(engine, SchedulerConfig(max_concurrency=20, step_rows=16))
+    run_all(sched, prompts(20, [5, 40, 17, 3, 33]), greedy(6))
+    assert max(widths) == 16 and sched.stats().peak_running == 20
+
+
+def test_prompts_that_arrive_together_take_pieces_in_turn_and_share_steps_with_short_ones(tiny_engine_factory):
+    engine = tiny_engine_factory()
+    steps = []
+    step = engine.step
+    engine.step = lambda ids, feeds, **kw: steps.append([len(f) for f in feeds]) or step(ids, feeds, **kw)
+    sched = Scheduler(engine, SchedulerConfig(step_rows=16))
+    run_all(sched, prompts(3, [21, 40, 7]), greedy(1))  # pieces 16+5, 16+16+8, 7
+    assert steps == [[16], [16], [7, 5], [16], [8]]  # round robin; the 7 and the 5 share a step
+
+
+def test_a_running_stream_is_stalled_by_one_piece_per_tick_whatever_arrives(tiny_engine_factory):
+    """Four prompts arriving while a stream decodes: every tick still gives that stream its token."""
+    sched = Scheduler(tiny_engine_factory(), SchedulerConfig(step_rows=16))
+    col = Collector()
+    first = sched.submit(prompts(1, [8])[0], greedy(40), col.sink)
+    sched.tick()
+    later = [sched.submit(p, greedy(4), col.sink) for p in prompts(4, [40, 70, 33, 90], seed=4)]
+    while not all(col.outputs.get(r) for r in later):
+        before = len(col.tokens(first))
+        sched.tick()
+        assert len(col.tokens(first)) == before + 1
+
+
+def test_a_prompts_pieces_end_on_multiples_of_step_rows_whatever_its_prefix_hit(tiny_engine_factory):
+    """Absolute piece boundaries: a prompt is cut the same way alone, in a batch, or after a prefix-cache hit."""
+    engine = tiny_engine_factory(block_size=8)
+    fed = []
+    step = engine.step
+    engine.step = lambda ids, feeds, **kw: fed.extend(map(len, feeds)) or step(ids, feeds, **kw)
+    sched = Scheduler(engine, SchedulerConfig(step_rows=16))
+    system = prompts(1, [24])[0]
+    run_all(sched, [system + [7] * 20], greedy(1))
+    assert fed == [16, 16, 12]
+    fed.clear()
+    col, (rid,) = run_all(sched, [system + [9] * 20], greedy(1))  # 24 tokens cached: 3 blocks of 8
+    assert col.final(rid).prefix_hit_tokens == 24 and fed == [8, 12]
 
 
 def test_requests_wait_when_the_pool_is_full_and_all_finish(tiny_engine_factory):
@@ -129,6 +178,17 @@ def test_a_full_pool_preempts_the_newest_request_instead_of_failing_one(tiny_eng
     assert [col.final(i).finish_reason for i in ids] == ["length"] * 3
     for rid, prompt in zip(ids, batch):
         assert col.tokens(rid) == alone(tiny_engine_factory, prompt, greedy(90), max_context=128, pool_tokens=128)
+    assert engine.cache.pool.num_used == 0
+
+
+def test_more_decoding_requests_than_step_rows_take_several_steps_and_survive_preemption(tiny_engine_factory):
+    engine = tiny_engine_factory(max_context=128, pool_tokens=128)
+    sched = Scheduler(engine, SchedulerConfig(step_rows=2))
+    batch = prompts(6, [10, 14])  # 6 requests in decode steps of 2 rows; they cannot all grow to 50 tokens
+    col, ids = run_all(sched, batch, greedy(40))
+    assert sched.stats().num_preemptions >= 1
+    for rid, prompt in zip(ids, batch):
+        assert col.tokens(rid) == alone(tiny_engine_factory, prompt, greedy(40), max_context=128, pool_tokens=128)
     assert engine.cache.pool.num_used == 0
 
 
@@ -189,7 +249,7 @@ def test_stop_strings_cut_the_text_and_hold_back_partial_matches():
 
 def test_random_cancellations_leak_no_block(tiny_engine_factory):
     engine = tiny_engine_factory(max_context=256, pool_tokens=256)
-    sched = Scheduler(engine, SchedulerConfig(max_concurrency=6, prefill_chunk=32))
+    sched = Scheduler(engine, SchedulerConfig(max_concurrency=6, step_rows=8))
     rng = random.Random(3)
     col = Collector()
     live: list[int] = []

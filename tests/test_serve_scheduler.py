@@ -42,6 +42,12 @@ def run(sched: Scheduler, ids: list[int], col: Collector) -> None:
         sched.tick()
 
 
+def prefill(sched: Scheduler, ids: list[int], col: Collector) -> None:
+    """Tick until the group's prompt is prefilled (in pieces of step_rows rows) and its first tokens are out."""
+    while not col.outputs.get(ids[0]):
+        sched.tick()
+
+
 def prompt(n: int) -> list[int]:
     return [3 + (7 * i) % 1900 for i in range(n)]
 
@@ -56,7 +62,7 @@ def test_four_choices_of_a_block_aligned_prompt_hold_its_blocks_once(tiny_engine
     engine = tiny_engine_factory(block_size=16)
     sched, col = Scheduler(engine), Collector()
     ids = sched.submit_group(prompt(32), [greedy(3)] * 4, col.sink)
-    sched.tick()  # the prompt is prefilled once; the four choices sample their first token from its logits
+    prefill(sched, ids, col)  # the prompt is prefilled once; the four choices sample their first token from its logits
     assert all(len(col.tokens(i)) == 1 for i in ids)
     assert engine.cache.pool.num_used == 2  # 32 tokens = 2 blocks, shared by 4 sequences: counted once
     assert sched.stats().prompt_tokens == 32
@@ -76,7 +82,7 @@ def test_four_choices_count_the_prompts_kv_once_in_the_published_metrics(tiny_en
         sched, col = Scheduler(engine), Collector()
         metrics = ServerMetrics(sched, "tiny")
         ids = sched.submit_group(prompt(32), [greedy(3)] * n, col.sink)
-        sched.tick()  # prefilled once, every choice holding the prompt's 2 blocks
+        prefill(sched, ids, col)  # prefilled once, every choice holding the prompt's 2 blocks
         published[n] = server_kv(metrics.exposition().decode())
         run(sched, ids, col)
     one, four = published[1], published[4]
@@ -90,7 +96,7 @@ def test_an_unaligned_prompt_shares_its_full_blocks_and_copies_only_the_last_par
     engine = tiny_engine_factory(block_size=16)
     sched, col = Scheduler(engine), Collector()
     ids = sched.submit_group(prompt(40), [greedy(2)] * 4, col.sink)  # 2 full blocks + 8 tokens
-    sched.tick()
+    prefill(sched, ids, col)
     assert engine.cache.pool.num_used == 2 + 4  # the full blocks once, the partial block once per choice
     run(sched, ids, col)
     engine.cache.pool.check_invariants()
@@ -142,7 +148,7 @@ def test_one_choice_cancelled_after_the_fork_leaves_the_others_running(tiny_engi
     engine = tiny_engine_factory()
     sched, col = Scheduler(engine), Collector()
     ids = sched.submit_group(prompt(30), [greedy(6)] * 3, col.sink)
-    sched.tick()
+    prefill(sched, ids, col)
     sched.cancel(ids[1])
     run(sched, ids, col)
     assert [col.final(i).finish_reason for i in ids] == ["length", "cancelled", "length"]
