@@ -32,7 +32,8 @@ def scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
     pays its page faults on every call: measured here 4-10x the dequantization itself. -> [numel]"""
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
-        buf = _scratch.buf = torch.empty(numel, dtype=dtype, device=device)
+        with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode alike
+            buf = _scratch.buf = torch.empty(numel, dtype=dtype, device=device)
     return buf[:numel]
 
 
