@@ -701,39 +701,47 @@ inline void weigh_rows(const float* const* e, const T* const* v, int64_t n, floa
 }
 #endif
 
-// Query vectors that share their keys, three at a time: vectors first..first+count-1 of a tile's task (one query
-// row's group of heads, at one position), with what each reads and writes (stride apart).
+// f(first, std::integral_constant<int, NV>) for vectors 0..count-1, three at a time (NV = 3, 2 or 1)
+template <typename F>
+inline void in_threes(int64_t count, F f) {
+  for (int64_t a = 0; a < count; a += 3) {
+    int64_t nv = std::min<int64_t>(3, count - a);
+    if (nv == 3) f(a, std::integral_constant<int, 3>{});
+    if (nv == 2) f(a, std::integral_constant<int, 2>{});
+    if (nv == 1) f(a, std::integral_constant<int, 1>{});
+  }
+}
+
+// Query vectors 0..count-1 of a tile's task that share their keys (one query row's group of heads, at one
+// position): their scores against n <= 4 keys k (each vector's scores `padded` apart)
 template <typename T>
 inline void score_group(const float* q, int64_t count, int64_t d, const T* const* k, int64_t n, float* scores,
                         int64_t padded) {
 #ifdef KVSCOPE_AVX2
-  for (int64_t a = 0; a < count; a += 3) {
-    const float* qv[3];
-    float* out[3];
-    int64_t nv = std::min<int64_t>(3, count - a);
-    for (int64_t u = 0; u < nv; ++u) qv[u] = q + (a + u) * d, out[u] = scores + (a + u) * padded;
-    if (nv == 3) score_four_keys<T, 3>(qv, k, n, d, out);
-    if (nv == 2) score_four_keys<T, 2>(qv, k, n, d, out);
-    if (nv == 1) score_four_keys<T, 1>(qv, k, n, d, out);
-  }
+  in_threes(count, [&](int64_t a, auto nv) {
+    constexpr int NV = decltype(nv)::value;
+    const float* qv[NV];
+    float* out[NV];
+    for (int u = 0; u < NV; ++u) qv[u] = q + (a + u) * d, out[u] = scores + (a + u) * padded;
+    score_four_keys<T, NV>(qv, k, n, d, out);
+  });
 #else
   for (int64_t a = 0; a < count; ++a) score_keys(q + a * d, k, n, d, scores + a * padded);
 #endif
 }
 
+// and their softmax weights e (`padded` apart) times n value rows v into their partials (`stride` apart)
 template <typename T>
 inline void weigh_group(const float* e, int64_t padded, int64_t count, const T* const* v, int64_t n, float* part,
                         int64_t stride, int64_t d) {
 #ifdef KVSCOPE_AVX2
-  for (int64_t a = 0; a < count; a += 3) {
-    const float* ev[3];
-    float* out[3];
-    int64_t nv = std::min<int64_t>(3, count - a);
-    for (int64_t u = 0; u < nv; ++u) ev[u] = e + (a + u) * padded, out[u] = part + (a + u) * stride;
-    if (nv == 3) weigh_rows<T, 3>(ev, v, n, out, d);
-    if (nv == 2) weigh_rows<T, 2>(ev, v, n, out, d);
-    if (nv == 1) weigh_rows<T, 1>(ev, v, n, out, d);
-  }
+  in_threes(count, [&](int64_t a, auto nv) {
+    constexpr int NV = decltype(nv)::value;
+    const float* ev[NV];
+    float* out[NV];
+    for (int u = 0; u < NV; ++u) ev[u] = e + (a + u) * padded, out[u] = part + (a + u) * stride;
+    weigh_rows<T, NV>(ev, v, n, out, d);
+  });
 #else
   for (int64_t a = 0; a < count; ++a) weigh_values(e + a * padded, v, n, part + a * stride, d);
 #endif
