@@ -1372,21 +1372,23 @@ void attend_tile(const float* q, float* part, const QuantRows<BITS>& keys, const
     window_k[p - k0] = keys.window + (p % keys.ring) * d;
     window_v[p - k0] = values.window + (p % values.ring) * d;
   }
-  for (auto [a, b] : {std::pair{k0, qstart}, std::pair{qend, k1}})
-    for (int64_t i = 0; i < nq; ++i)
-      if (a < b && a - k0 <= last[i])
-        score_keys(q + i * d, window_k.data() + (a - k0), std::min(b, k0 + last[i] + 1) - a, d,
-                   scores.data() + i * padded + a - k0);
+  for (auto [a, b] : {std::pair{k0, qstart}, std::pair{qend, k1}})  // a row's group of vectors at once
+    for (int64_t r = 0; r < rows; ++r) {
+      int64_t lr = last[r * group], m = std::min(b, k0 + lr + 1) - a;
+      for (int64_t p = 0; p < m; p += 4)
+        score_group(q + r * group * d, group, d, window_k.data() + (a - k0) + p, std::min<int64_t>(4, m - p),
+                    scores.data() + r * group * padded + a - k0 + p, padded);
+    }
   start_partials(part, scores.data(), last.data(), nq, padded, d);
-  for (int64_t i = 0; i < nq; ++i)
-    if (qstart > k0 && 0 <= last[i])
-      weigh_values(scores.data() + i * padded, window_v.data(), std::min(qstart, k0 + last[i] + 1) - k0,
-                   part + i * stride + 2, d);
+  for (int64_t r = 0; r < rows; ++r)
+    if (qstart > k0 && 0 <= last[r * group])
+      weigh_group(scores.data() + r * group * padded, padded, group, window_v.data(),
+                  std::min(qstart, k0 + last[r * group] + 1) - k0, part + r * group * stride + 2, stride, d);
   if (qstart < qend) weigh_quantized<BITS>(scores.data(), padded, values, last.data(), nq, d, k0, qstart, qend, part);
-  for (int64_t i = 0; i < nq; ++i)
-    if (qend < k1 && qend - k0 <= last[i])
-      weigh_values(scores.data() + i * padded + qend - k0, window_v.data() + (qend - k0), k0 + last[i] + 1 - qend,
-                   part + i * stride + 2, d);
+  for (int64_t r = 0; r < rows; ++r)
+    if (qend < k1 && qend - k0 <= last[r * group])
+      weigh_group(scores.data() + r * group * padded + qend - k0, padded, group, window_v.data() + (qend - k0),
+                  k0 + last[r * group] + 1 - qend, part + r * group * stride + 2, stride, d);
 }
 
 
