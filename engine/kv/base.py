@@ -15,7 +15,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.kv.attention import TILE, LayerAttention
-from engine.kv.window import SlidingLayers, WindowRings
+from engine.kv.window import SlidingLayers, WindowRings, WindowStep
 
 
 class KVCacheFull(RuntimeError):
@@ -49,6 +49,8 @@ BLOCK_FREE, BLOCK_OWN, BLOCK_OTHER, BLOCK_CACHED = 0, 1, 2, 3
 class StepView(ABC):
     """One forward step over a batch of sequences, each advancing by n_new[i] tokens (right-padded)."""
 
+    window: WindowStep | None = None  # the sliding layers' rings this step, where the model has them
+
     def __init__(self, seq_ids: list[int], past: list[int], n_new: list[int], device: torch.device):
         self.seq_ids = seq_ids
         self.past = past
@@ -72,8 +74,7 @@ class StepView(ABC):
     def store_layer(self, layer: int) -> int | None:
         """The layer's index in the cache's own stores (which hold no sliding layer), or None for a sliding layer:
         its keys are in its ring, read through attend()."""
-        window = getattr(self, "window", None)
-        return None if window is not None and window.slides(layer) else self.cache.local_layer(layer)
+        return None if self.window is not None and self.window.slides(layer) else self.cache.local_layer(layer)
 
 
 class KVCache(ABC):

@@ -43,10 +43,9 @@ class ContiguousView(StepView):
         self.window = cache.windows.step(seq_ids, past, n_new) if cache.windows else None
 
     def attend(self, layer, q, k, v, spec=None):
-        if self.window is not None and self.window.slides(layer):
+        if (at := self.store_layer(layer)) is None:
             return self.window.attend(layer, q, k, v, spec)
-        layer = self.cache.local_layer(layer)
-        keys, values = [buf.k_layers[layer] for buf in self.buffers], [buf.v_layers[layer] for buf in self.buffers]
+        keys, values = [buf.k_layers[at] for buf in self.buffers], [buf.v_layers[at] for buf in self.buffers]
         write(keys, values, k, v, self.keys)
         return attend(q, keys, values, self.keys, spec)
 

@@ -58,9 +58,9 @@ class ContiguousQuantView(StepView):
         self.window = cache.windows.step(seq_ids, past, n_new) if cache.windows else None
 
     def attend(self, layer, q, k, v, spec=None):
-        if self.window is not None and self.window.slides(layer):
+        if (at := self.store_layer(layer)) is None:
             return self.window.attend(layer, q, k, v, spec)
-        c, layer = self.cache, self.cache.local_layer(layer)
+        c, layer = self.cache, at  # from here on, the layer as the cache's stores number it
         stores = [[buf.layers[t][layer] for buf in self.buffers] for t in range(4)]
         ops = kernels.for_activations(q)
         if ops is not None and (spec is None or spec.is_plain):

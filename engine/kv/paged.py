@@ -68,9 +68,9 @@ class PagedView(StepView):
         self.window = cache.windows.step(seq_ids, past, n_new) if cache.windows else None
 
     def attend(self, layer, q, k, v, spec=None):
-        if self.window is not None and self.window.slides(layer):
+        if (at := self.store_layer(layer)) is None:
             return self.window.attend(layer, q, k, v, spec)
-        c, layer = self.cache, self.cache.local_layer(layer)
+        c, layer = self.cache, at  # from here on, the layer as the cache's stores number it
         keys, values = c.layer_stores(0, layer), c.layer_stores(1, layer)  # [Hkv, chunk slots, D] per chunk
         write(keys, values, k, v, self.keys)
         return attend(q, keys, values, self.keys, spec)

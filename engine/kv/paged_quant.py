@@ -33,9 +33,9 @@ class QuantView(PagedView):
         self._locators = None
 
     def attend(self, layer, q, k, v, spec=None):
-        if self.window is not None and self.window.slides(layer):
+        if (at := self.store_layer(layer)) is None:
             return self.window.attend(layer, q, k, v, spec)
-        c, layer = self.cache, self.cache.local_layer(layer)
+        c, layer = self.cache, at  # from here on, the layer as the cache's stores number it
         stores = [c.layer_stores(i, layer) for i in range(4)]  # key codes, value codes, key scales, value scales
         ops = kernels.for_activations(q)
         if ops is not None and (spec is None or spec.is_plain):
