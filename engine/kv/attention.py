@@ -22,6 +22,7 @@ import torch
 from engine import kernels
 
 TILE = 16  # the pure PyTorch path pads a batch's keys to a multiple of this
+FLOAT_STORES = (torch.float32, torch.bfloat16, torch.float16)  # store dtypes the compiled float kernels read
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,13 @@ class LayerAttention:
 
 
 PLAIN = LayerAttention()
+
+
+def query_positions(past: list[int], n_new: list[int], device: torch.device) -> torch.Tensor:
+    """The absolute position of each query row of a step: [B, T] int32, -1 for the padding of a shorter row."""
+    t = max(n_new)
+    return torch.tensor([[p + j if j < n else -1 for j in range(t)] for p, n in zip(past, n_new)],
+                        dtype=torch.int32, device=device)
 
 
 @dataclass
@@ -68,9 +76,7 @@ class KeyMap:
         written where their positions fall in those tables."""
         width = max(1, max(len(t) for t in tables))
         table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
-        t = max(n_new)
-        positions = [[p + j if j < n else -1 for j in range(t)] for p, n in zip(past, n_new)]
-        q_pos = torch.tensor(positions, dtype=torch.int32, device=device)
+        q_pos = query_positions(past, n_new, device)
         keys = cls(table, block_store, block_start, block_size, q_pos, [p + n for p, n in zip(past, n_new)])
         valid, pos = q_pos >= 0, q_pos.clamp(min=0).long()  # [B, T]
         blocks = table.long().gather(1, pos // block_size)  # the block each new token falls in
@@ -89,7 +95,7 @@ class KeyMap:
 
     def fused_kv(self, k_stores: list[torch.Tensor], v_stores: list[torch.Tensor]):
         """A float layout's stores and this map as the one-call layer takes them (engine.kv.base.FusedKV)."""
-        if k_stores[0].dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        if k_stores[0].dtype not in FLOAT_STORES:
             return None
         where = [self.table, self.block_store, self.block_start, self.q_pos, self.store_of, self.slot_of]
         return [*k_stores, *v_stores], [len(k_stores), len(v_stores)], where, [self.block_size]
@@ -117,7 +123,7 @@ def write(k_stores: list[torch.Tensor], v_stores: list[torch.Tensor], k: torch.T
           keys: KeyMap) -> None:
     """The step's new keys and values k, v: [B, Hkv, T, D] into their stores, where keys.store_of/slot_of say."""
     ops = kernels.for_activations(k)
-    if ops is not None and k_stores[0].dtype in (torch.float32, torch.bfloat16, torch.float16):
+    if ops is not None and k_stores[0].dtype in FLOAT_STORES:
         ops.write_kv(k_stores, v_stores, k.contiguous(), v.contiguous(), keys.store_of, keys.slot_of)
         return
     if keys._scatter is None:

@@ -163,11 +163,14 @@ class KVCache(ABC):
     def theoretical_bytes(self, tokens: int) -> int:
         """The formula for one sequence of `tokens`, per layer: a global layer holds every token, a sliding layer
         at most its window (in the cache's float dtype)."""
-        held = self.store_bytes_per_token() * tokens
-        if self.sliding:
-            per_token = self.sliding.sliding_config(self.config).kv_bytes_per_token(self.dtype.itemsize)
-            held += per_token * min(tokens, self.sliding.window)
-        return int(held)
+        return int(self.store_bytes_per_token() * tokens + self.sliding_formula_bytes(tokens))
+
+    def sliding_formula_bytes(self, tokens: int) -> float:
+        """The formula's bytes of one sequence's sliding layers at `tokens`: at most the window, in the float dtype."""
+        if not self.sliding:
+            return 0
+        per_token = self.sliding.sliding_config(self.config).kv_bytes_per_token(self.dtype.itemsize)
+        return per_token * min(tokens, self.sliding.window)
 
     def theoretical_bytes_of(self, contexts) -> int:
         """The formula summed over sequences of the given lengths."""

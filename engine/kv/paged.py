@@ -398,10 +398,7 @@ class PagedCache(KVCache):
 
     def _window_bytes_used(self) -> int:
         """Of the rings: the rows holding each sequence's live window."""
-        if not self.sliding:
-            return 0
-        per_token = self.sliding.sliding_config(self.config).kv_bytes_per_token(self.dtype.itemsize)
-        return int(sum(per_token * min(len(s.tokens), self.sliding.window) for s in self.seqs.values()))
+        return int(sum(self.sliding_formula_bytes(len(s.tokens)) for s in self.seqs.values()))
 
     def block_states(self, seq_id: int | None) -> bytes:
         states = [BLOCK_OTHER if s not in (BLOCK_FREE, BLOCK_CACHED) else s for s in self.pool.states()]

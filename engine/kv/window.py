@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ModelConfig
-from engine.kv.attention import TILE, LayerAttention, attend_padded, gather, write
+from engine.kv.attention import PLAIN, TILE, LayerAttention, attend_padded, gather, query_positions, write
 
 PARKED = 16  # windows of released sequences kept for the prefix cache
 
@@ -181,8 +181,7 @@ class WindowStep:
         dev, t, slots = rings.device, max(n_new), rings.layers.slots
         kv_len = [p + n for p, n in zip(past, n_new)]
         self.s_pad = -(-max(kv_len) // TILE) * TILE  # as the full cache's gather plan pads
-        rows = [[p + j if j < n else -1 for j in range(t)] for p, n in zip(past, n_new)]
-        self.q_pos = torch.tensor(rows, dtype=torch.int32, device=dev)  # [B, T]
+        self.q_pos = query_positions(past, n_new, dev)  # [B, T]
         self.plan = self._read_plan(past, n_new, dev)
         store = [[b if n - slots <= j < n else -1 for j in range(t)] for b, n in enumerate(n_new)]  # the newest
         slot = [[(p + j) % slots for j in range(t)] for p in past]
@@ -220,6 +219,6 @@ class WindowStep:
         index, plan = self.plan
         k_all = gather(k_stores, index, plan, hkv, b * self.s_pad, d, q.dtype).view(hkv, b, self.s_pad, d)
         v_all = gather(v_stores, index, plan, hkv, b * self.s_pad, d, q.dtype).view(hkv, b, self.s_pad, d)
-        out = attend_padded(q, k_all.transpose(0, 1), v_all.transpose(0, 1), self.q_pos, spec or LayerAttention())
+        out = attend_padded(q, k_all.transpose(0, 1), v_all.transpose(0, 1), self.q_pos, spec or PLAIN)
         write(k_rings, v_rings, k, v, self.writes)  # after the reads: the newest keys may overwrite the oldest
         return out.transpose(1, 2).reshape(b, t, hq * d)
