@@ -114,7 +114,9 @@ def make_plot(y_label: str) -> pg.PlotWidget:
     item.getAxis("left").setWidth(LEFT_AXIS_WIDTH)
     plot.setMinimumHeight(MIN_PLOT_HEIGHT)
     item.setRange(xRange=(0, 32), yRange=(0, 1), padding=0.03, disableAutoRange=False)  # until the first point
-    item.addLegend().hide()  # the list of named series; SeriesLegend shows it outside the plot
+    # the list of named series, which SeriesLegend shows outside the plot; not placed inside it (addLegend anchors
+    # it to the ViewBox, and a window torn down mid-layout then had the anchor ask a deleted ViewBox its geometry)
+    item.legend = pg.LegendItem()
     # two invisible points, not a data item of the plot: the autoranged y keeps headroom above the highest line
     item.headroom = pg.PlotDataItem(pen=pg.mkPen(None))
     item.headroom.setLogMode(False, True)
