@@ -117,6 +117,7 @@ def make_plot(y_label: str) -> pg.PlotWidget:
     # the list of named series, which SeriesLegend shows outside the plot; not placed inside it (addLegend anchors
     # it to the ViewBox, and a window torn down mid-layout then had the anchor ask a deleted ViewBox its geometry)
     item.legend = pg.LegendItem()
+    item.legend.hide()
     # two invisible points, not a data item of the plot: the autoranged y keeps headroom above the highest line
     item.headroom = pg.PlotDataItem(pen=pg.mkPen(None))
     item.headroom.setLogMode(False, True)
