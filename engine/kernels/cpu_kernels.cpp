@@ -30,6 +30,9 @@
 #else
 #define KVSCOPE_INT_DOTS false
 #endif
+#if defined(KVSCOPE_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define KVSCOPE_AVX512 1  // the weight kernels take two blocks of 32 a 512-bit instruction
+#endif
 
 namespace {
 
@@ -49,6 +52,7 @@ inline float half_to_float(uint16_t bits) { return static_cast<float>(c10::Half(
 struct QuantizedRows {
   std::vector<int8_t> hi, lo;
   std::vector<float> d, s;
+  std::vector<float> d8;  // [M, K/32, 8]: d repeated over a block's 8 product lanes (the 512-bit kernels)
 };
 
 QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k) {
@@ -73,6 +77,10 @@ QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k) {
     r.d[i] = step / 256.f;
     r.s[i] = sum;
   }
+#ifdef KVSCOPE_AVX512
+  r.d8.resize(m * nb * 8);
+  for (int64_t i = 0; i < m * nb; ++i) std::fill_n(r.d8.data() + i * 8, 8, r.d[i]);
+#endif
   return r;
 }
 
@@ -179,6 +187,85 @@ inline __m256 dot_s8_two_parts(__m256i w, __m256i hi, __m256i lo) {
 inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 #endif
 
+#ifdef KVSCOPE_AVX512
+// ---------------------------------------------------------------- two blocks of 32 per 512-bit instruction
+// A pair of blocks b, b+1: the products' lanes 0-7 hold block b's sums, lanes 8-15 block b+1's (an odd K/32 ends
+// with a block alone, its upper lanes zero). A row's pairs alternate between two accumulators, so an FMA does not
+// wait for the one before; every row count runs the same operations in the same order.
+struct PairCodes {
+  __m512i u;         // 64 unsigned codes (|w| for signed weights)
+  __mmask64 negate;  // the bytes whose weight is negative: their activations change sign
+};
+
+inline __m512 dot_two_parts(__m512i u, __m512i hi, __m512i lo) {
+  __m512i high = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, hi), 8);
+  return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(high, u, lo));
+}
+
+inline __m512 two_scales(float first, float second) {  // {first x 8, second x 8}
+  return _mm512_insertf32x8(_mm512_set1_ps(first), _mm256_set1_ps(second), 1);
+}
+
+// the 64 codes of blocks b, b+1 of an int4 row: groups of 32 keep 16 bytes a block (low nibbles then high ones),
+// a group of 64 its 32 bytes (codes 0-31 in the low nibbles, 32-63 in the high ones)
+template <int G>
+inline PairCodes int4_pair(const uint8_t* crow, int64_t b, bool single) {
+  const uint8_t* at = crow + b * 16;
+  __m256i bytes = single ? _mm256_maskz_loadu_epi8(0xFFFF, at) : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+  __m512i z = _mm512_castsi256_si512(bytes);
+  __m512i spread = G == 32 ? _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(1, 1, 0, 0)) : _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(1, 0, 1, 0));
+  __m512i shifts = G == 32 ? _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0) : _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
+  return {_mm512_and_si512(_mm512_srlv_epi64(spread, shifts), _mm512_set1_epi8(0x0F)), 0};
+}
+
+inline PairCodes int8_pair(const int8_t* crow, int64_t b, bool single) {
+  __m512i w = _mm512_maskz_loadu_epi8(single ? 0xFFFFFFFFull : ~0ull, crow + b * QK);
+  return {_mm512_abs_epi8(w), _mm512_movepi8_mask(w)};
+}
+
+template <bool SIGNED>
+inline __m512i activations(const int8_t* p, bool single, __mmask64 negate) {
+  __m512i a = single ? _mm512_maskz_loadu_epi8(0xFFFFFFFFull, p) : _mm512_loadu_si512(p);
+  if constexpr (SIGNED) a = _mm512_mask_sub_epi8(a, negate, _mm512_setzero_si512(), a);
+  return a;
+}
+
+// sums[i] = sum over blocks b of scale_w(b) * d_x[i, b] * (codes_b . xq_i,b) for the M activation rows of x;
+// codes(b, single) -> PairCodes, scales(b, single) -> the pair's weight scales as two_scales gives them
+template <int M, bool SIGNED, typename Codes, typename Scales>
+inline void pairs_dot(int64_t k, const QuantizedRows& x, int64_t m, const uint8_t* stream, Codes codes,
+                      Scales scales, float* sums) {
+  int64_t nb = k / QK, rows = M > 0 ? M : m;
+  __m512 even[M > 0 ? M : MAX_ROWS], odd[M > 0 ? M : MAX_ROWS];  // pairs 0, 2, 4, ... and 1, 3, 5, ...
+  for (int64_t i = 0; i < rows; ++i) even[i] = odd[i] = _mm512_setzero_ps();
+  auto pair = [&](int64_t b, bool single, __m512* acc) {
+    PairCodes c = codes(b, single);
+    __m512 dw = scales(b, single);
+    for (int64_t i = 0; i < rows; ++i) {
+      const int8_t* hi = x.hi.data() + i * k + b * QK;
+      const int8_t* lo = x.lo.data() + i * k + b * QK;
+      __m512 dot = dot_two_parts(c.u, activations<SIGNED>(hi, single, c.negate), activations<SIGNED>(lo, single, c.negate));
+      const float* xd = x.d8.data() + (i * nb + b) * 8;
+      __m512 scale = _mm512_mul_ps(dw, single ? _mm512_maskz_loadu_ps(0xFF, xd) : _mm512_loadu_ps(xd));
+      acc[i] = _mm512_fmadd_ps(dot, scale, acc[i]);
+    }
+  };
+  auto fetch = [&](int64_t b) {
+    _mm_prefetch(reinterpret_cast<const char*>(stream) + b * (SIGNED ? QK : QK / 2) + PREFETCH, _MM_HINT_T0);
+  };
+  int64_t b = 0;
+  for (; b + 4 <= nb; b += 4) {  // the accumulators named, not indexed, so they stay in registers
+    fetch(b);
+    pair(b, false, even);
+    if constexpr (SIGNED) fetch(b + 2);
+    pair(b + 2, false, odd);
+  }
+  if (b + 2 <= nb) pair(b, false, even), b += 2;
+  if (b < nb) pair(b, true, (b / 2) % 2 ? odd : even);
+  for (int64_t i = 0; i < rows; ++i) sums[i] = _mm512_reduce_add_ps(_mm512_add_ps(even[i], odd[i]));
+}
+#endif
+
 inline int int4_code(const uint8_t* crow, int64_t g, int64_t gi, int64_t pos) {  // pos within the group
   const uint8_t* gb = crow + gi * (g / 2);
   return pos < g / 2 ? (gb[pos] & 15) : (gb[pos - g / 2] >> 4);
@@ -193,7 +280,16 @@ inline void int4_row(const uint8_t* crow, const float* dw, const float* mw, int6
   const int8_t *hi = x.hi.data(), *lo = x.lo.data();
   const float* xd = x.d.data();
   int64_t rows = M > 0 ? M : m;
-#ifdef KVSCOPE_AVX2
+#if defined(KVSCOPE_AVX512)
+  float sums[M > 0 ? M : MAX_ROWS];
+  pairs_dot<M, false>(
+      k, x, m, crow, [&](int64_t b, bool single) { return int4_pair<G>(crow, b, single); },
+      [&](int64_t b, bool single) {
+        return G == 64 ? _mm512_set1_ps(dw[b / 2]) : two_scales(dw[b], single ? 0.f : dw[b + 1]);
+      },
+      sums);
+  for (int64_t i = 0; i < rows; ++i) out[i * n] = sums[i] + dot_floats(mw, xsg + i * groups, groups);
+#elif defined(KVSCOPE_AVX2)
   __m256 acc[M > 0 ? M : MAX_ROWS];
   for (int64_t i = 0; i < rows; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t gi = 0; gi < groups; ++gi) {
@@ -265,7 +361,13 @@ template <int M>
 inline void int8_row(const int8_t* crow, const float* dw, int64_t k, int64_t per, const QuantizedRows& x, int64_t m,
                      float* out, int64_t n) {
   int64_t nb = k / QK, rows = M > 0 ? M : m;
-#ifdef KVSCOPE_AVX2
+#if defined(KVSCOPE_AVX512)
+  float sums[M > 0 ? M : MAX_ROWS];
+  pairs_dot<M, true>(
+      k, x, m, reinterpret_cast<const uint8_t*>(crow), [&](int64_t b, bool single) { return int8_pair(crow, b, single); },
+      [&](int64_t b, bool single) { return two_scales(dw[b / per], single ? 0.f : dw[(b + 1) / per]); }, sums);
+  for (int64_t i = 0; i < rows; ++i) out[i * n] = sums[i];
+#elif defined(KVSCOPE_AVX2)
   __m256 acc[M > 0 ? M : MAX_ROWS];
   for (int64_t i = 0; i < rows; ++i) acc[i] = _mm256_setzero_ps();
   const int8_t *hi = x.hi.data(), *lo = x.lo.data();
