@@ -47,13 +47,49 @@ inline float half_to_float(uint16_t bits) { return static_cast<float>(c10::Half(
 // ---------------------------------------------------------------- activations -> two int8 parts per block
 // Each block of 32 activations becomes x ~ d * (256 * hi + lo): hi = round(x / (d * 256)) with d * 256 = amax / 127,
 // lo = round((x - 256 d hi) / d) in -127..127, so a block keeps ~15 bits (one int8 part alone measured 7x the KL
-// against float32 weights on real text). q = hi and lo codes [M, K] each; d [M, K/32]; s [M, K/32] = the exact
+// against float32 weights on real text). q = hi and lo codes [M, K] each; d [M, K/32]; s [M, K/32] = the
 // float sum of the block (the int4 minimums multiply it).
 struct QuantizedRows {
   std::vector<int8_t> hi, lo;
   std::vector<float> d, s;
   std::vector<float> d8;  // [M, K/32, 8]: d repeated over a block's 8 product lanes (the 512-bit kernels)
 };
+
+#ifdef KVSCOPE_AVX512
+// one block of 32 activations -> its hi / lo codes; returns {amax, sum} (the sum: the two halves' lanes added)
+inline std::pair<float, float> quantize_block(const float* src, int8_t* hi, int8_t* lo) {
+  __m512 x0 = _mm512_loadu_ps(src), x1 = _mm512_loadu_ps(src + 16);
+  float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+  float sum = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+  float step = amax / 127.f, inv = step > 0.f ? 1.f / step : 0.f;
+  const int round = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  __m512 vstep = _mm512_set1_ps(step), vinv = _mm512_set1_ps(inv), v256 = _mm512_set1_ps(256.f);
+  __m512 top = _mm512_set1_ps(127.f), bottom = _mm512_set1_ps(-127.f);
+  for (int half = 0; half < 2; ++half) {
+    __m512 v = half ? x1 : x0;
+    __m512 h = _mm512_roundscale_ps(_mm512_mul_ps(v, vinv), round);
+    __m512 rest = _mm512_mul_ps(_mm512_mul_ps(_mm512_fnmadd_ps(h, vstep, v), vinv), v256);
+    __m512 l = _mm512_min_ps(top, _mm512_max_ps(bottom, _mm512_roundscale_ps(rest, round)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + half * 16), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(h)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + half * 16), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(l)));
+  }
+  return {amax, sum};
+}
+#else
+inline std::pair<float, float> quantize_block(const float* src, int8_t* hi, int8_t* lo) {
+  float amax = 0.f, sum = 0.f;
+  for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(src[j])), sum += src[j];
+  float step = amax / 127.f;  // of hi
+  float inv = step > 0.f ? 1.f / step : 0.f;
+  for (int j = 0; j < QK; ++j) {
+    float h = std::nearbyint(src[j] * inv);
+    float rest = (src[j] - h * step) * inv * 256.f;
+    hi[j] = static_cast<int8_t>(h);
+    lo[j] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(rest))));
+  }
+  return {amax, sum};
+}
+#endif
 
 QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k) {
   QuantizedRows r;
@@ -63,18 +99,8 @@ QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k) {
   r.d.resize(m * nb);
   r.s.resize(m * nb);
   for (int64_t i = 0; i < m * nb; ++i) {
-    const float* src = x + i * QK;
-    float amax = 0.f, sum = 0.f;
-    for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(src[j])), sum += src[j];
-    float step = amax / 127.f;  // of hi
-    float inv = step > 0.f ? 1.f / step : 0.f;
-    for (int j = 0; j < QK; ++j) {
-      float h = std::nearbyint(src[j] * inv);
-      float rest = (src[j] - h * step) * inv * 256.f;
-      r.hi[i * QK + j] = static_cast<int8_t>(h);
-      r.lo[i * QK + j] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(rest))));
-    }
-    r.d[i] = step / 256.f;
+    auto [amax, sum] = quantize_block(x + i * QK, r.hi.data() + i * QK, r.lo.data() + i * QK);
+    r.d[i] = amax / 127.f / 256.f;
     r.s[i] = sum;
   }
 #ifdef KVSCOPE_AVX512
@@ -142,6 +168,17 @@ inline void with_rows(int64_t m, F f) {
     case 4: return f(std::integral_constant<int, 4>{});
     case 8: return f(std::integral_constant<int, 8>{});
     default: return f(std::integral_constant<int, 0>{});
+  }
+}
+
+// the float16 scales and minimums of weight row `row`, a few rows ahead of the one being read (their streams
+// are separate from the codes')
+constexpr int64_t PARAMS_AHEAD = 16;
+inline void prefetch_params(const uint16_t* scales, const uint16_t* minimums, int64_t row, int64_t groups, int64_t n) {
+  if (row >= n) return;
+  for (int64_t byte = 0; byte < groups * 2; byte += 64) {
+    __builtin_prefetch(reinterpret_cast<const char*>(scales + row * groups) + byte);
+    if (minimums) __builtin_prefetch(reinterpret_cast<const char*>(minimums + row * groups) + byte);
   }
 }
 
@@ -345,6 +382,7 @@ at::Tensor int4_linear(const at::Tensor& input, const at::Tensor& codes, const a
   at::parallel_for(0, n, grain_for(n), [&](int64_t n0, int64_t n1) {
     std::vector<float> dw(groups), mw(groups);
     for (int64_t row = n0; row < n1; ++row) {
+      prefetch_params(sc, mn, row + PARAMS_AHEAD, groups, n);
       halves_to_floats(sc + row * groups, dw.data(), groups);
       halves_to_floats(mn + row * groups, mw.data(), groups);
       const uint8_t* crow = c + row * (k / 2);
@@ -413,6 +451,7 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes, const a
   at::parallel_for(0, n, grain_for(n), [&](int64_t n0, int64_t n1) {
     std::vector<float> dw(groups);
     for (int64_t row = n0; row < n1; ++row) {
+      prefetch_params(sc, nullptr, row + PARAMS_AHEAD, groups, n);
       halves_to_floats(sc + row * groups, dw.data(), groups);
       with_rows(m, [&](auto rows_m) {
         int8_row<decltype(rows_m)::value>(c + row * k, dw.data(), k, g / QK, rows, m, out + row, n);
