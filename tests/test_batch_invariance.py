@@ -9,6 +9,7 @@ not tolerances. The pure PyTorch path is layout-invariant too (it gathers every 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 
 import pytest
@@ -74,6 +75,30 @@ def test_the_int_kernels_compute_what_the_dequantized_weights_give():
         got = build_linear(q)(x)
         # activations are quantized to int8 in blocks of 32 (as llama.cpp does): ~0.5% of the output's scale
         assert (got - want).norm() / want.norm() < 0.01
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_thread_count_changes_no_bit_of_a_projection_or_a_step(tiny_config, tokenizer):
+    torch.manual_seed(2)
+    module = build_linear(quantize_int4(torch.randn(300, 128) * 0.05, 32))
+    x = torch.randn(3, 128)
+    runs = []
+    for threads in (1, 2, 3):  # the kernels' threads claim chunks of rows; more threads than cores too
+        with torch_threads(threads):
+            engine = tiny_engine(tiny_config, tokenizer, "int4", cache="paged", block_size=8)
+            runs.append((module(x), decode(engine, 1, PROMPT, 8)))
+    for projection, steps in runs[1:]:
+        assert torch.equal(projection, runs[0][0])
+        assert same_bits(steps, runs[0][1])
 
 
 def decode(engine: Engine, seq_id: int, prompt: list[int], steps: int, prefill_chunk: int = 1024) -> list:

@@ -115,7 +115,8 @@ def test_the_kernels_and_the_pure_pytorch_path_agree(tiny_engine_factory, layout
 
 
 GREEDY_STEPS = 96
-AGREES_FOR = {"int8": 12, "int4": 12, "bfloat16": 3}  # measured 18, 18 and 4 here (README): floors
+AGREES_FOR = {"int8": 12, "int4": 6, "bfloat16": 3}  # floors: measured 18, 18 and 4 on the AMD EPYC, 18, 8
+# and 18 on the Intel Xeon (README); the continuation has near ties, which each CPU's kernels break their way
 
 
 @pytest.mark.default_model

@@ -13,10 +13,15 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <condition_variable>
+#include <exception>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <mutex>
+#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -141,6 +146,120 @@ inline __m256 dot_two_parts(__m256i u, __m256i hi, __m256i lo) {
 #endif
 
 int64_t grain_for(int64_t n) { return std::max<int64_t>(64, n / (4 * std::max(1, at::get_num_threads()))); }
+
+// ---------------------------------------------------------------- the kernels' threads
+// A job is split into chunks that the caller and the pool's workers claim one at a time, and the caller waits only
+// for chunks that were claimed: a worker the system has descheduled (another process, the server's event loop, a
+// browser beside the app) holds up at most the chunk it took, never the step, where an OpenMP region waits at
+// its barrier for every thread to be scheduled again (seen here: 7 ms steps became 800 ms with one other busy
+// process on a 2-core machine). Each chunk is computed by one thread whichever claims it, so results are the same.
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+class ChunkPool {
+ public:
+  static ChunkPool& instance() {
+    static ChunkPool* pool = new ChunkPool();  // never destroyed: its threads may outlive static destructors
+    return *pool;
+  }
+
+  // f(c) for every c in [0, chunks), on up to `threads` threads (this one included)
+  template <typename F>
+  void run(int64_t chunks, int64_t threads, const F& f) {
+    std::unique_lock<std::mutex> caller(callers_, std::defer_lock);
+    if (inside_ || chunks > CHUNK_MASK || !caller.try_lock()) {  // nested, or another thread's job runs: alone
+      for (int64_t c = 0; c < chunks; ++c) f(c);
+      return;
+    }
+    start_workers(threads - 1);
+    task_ = [](const void* fn, int64_t c) { (*static_cast<const F*>(fn))(c); };
+    fn_ = &f;
+    done_.store(0);
+    job_ = (job_ + 1) & JOB_MASK;
+    claim_.store((job_ << 48) | (static_cast<uint64_t>(chunks) << 24));
+    if (sleeping_.load() > 0) {
+      std::lock_guard<std::mutex> lock(wake_);
+      wakeup_.notify_all();
+    }
+    work();
+    while (done_.load() < chunks) cpu_relax();
+    if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+  }
+
+ private:
+  static constexpr uint64_t CHUNK_MASK = (1ull << 24) - 1, JOB_MASK = (1ull << 16) - 1;
+  static constexpr int SPINS = 4000;  // a few hundred microseconds between a step's jobs, then a worker sleeps
+  static thread_local bool inside_;
+
+  // claim and run chunks of the current job until none is left; claim_ = job << 48 | chunks << 24 | next
+  void work() {
+    inside_ = true;
+    for (uint64_t c = claim_.load();;) {
+      if ((c & CHUNK_MASK) >= ((c >> 24) & CHUNK_MASK)) break;
+      if (!claim_.compare_exchange_weak(c, c + 1)) continue;
+      try {
+        task_(fn_, static_cast<int64_t>(c & CHUNK_MASK));  // the job cannot end before this chunk is done
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(wake_);
+        if (!error_) error_ = std::current_exception();
+      }
+      done_.fetch_add(1);
+      c = claim_.load();
+    }
+    inside_ = false;
+  }
+
+  void start_workers(int64_t wanted) {
+    wanted_.store(wanted);
+    while (static_cast<int64_t>(started_) < wanted) std::thread([this, i = started_++] { serve(i); }).detach();
+  }
+
+  void serve(int64_t index) {
+    uint64_t seen = claim_.load() >> 48;
+    for (;;) {
+      uint64_t job = wait_for_job(seen);
+      seen = job;
+      if (index < wanted_.load()) work();
+    }
+  }
+
+  uint64_t wait_for_job(uint64_t seen) {
+    for (int i = 0; i < SPINS; ++i) {
+      uint64_t job = claim_.load() >> 48;
+      if (job != seen) return job;
+      cpu_relax();
+    }
+    std::unique_lock<std::mutex> lock(wake_);
+    sleeping_.fetch_add(1);
+    wakeup_.wait(lock, [&] { return (claim_.load() >> 48) != seen; });
+    sleeping_.fetch_sub(1);
+    return claim_.load() >> 48;
+  }
+
+  std::mutex callers_, wake_;
+  std::condition_variable wakeup_;
+  std::atomic<uint64_t> claim_{0};
+  std::atomic<int64_t> done_{0}, sleeping_{0}, wanted_{0};
+  uint64_t job_ = 0;
+  int64_t started_ = 0;
+  void (*task_)(const void*, int64_t) = nullptr;
+  const void* fn_ = nullptr;
+  std::exception_ptr error_;  // the first exception a chunk threw, rethrown on the caller's thread
+};
+thread_local bool ChunkPool::inside_ = false;
+
+// f(i0, i1) over [0, n) in chunks of `grain`, on the pool (torch's thread count)
+template <typename F>
+void parallel_chunks(int64_t n, int64_t grain, const F& f) {
+  int64_t chunks = (n + grain - 1) / grain, threads = std::min<int64_t>(at::get_num_threads(), chunks);
+  if (threads <= 1) return f(0, n);
+  ChunkPool::instance().run(chunks, threads, [&](int64_t c) { f(c * grain, std::min(n, (c + 1) * grain)); });
+}
 
 // x: [..., K] float32, contiguous -> (its rows [M, K], the output's shape [..., N])
 std::pair<at::Tensor, std::vector<int64_t>> as_rows(const at::Tensor& x, int64_t k, int64_t n) {
@@ -379,7 +498,7 @@ at::Tensor int4_linear(const at::Tensor& input, const at::Tensor& codes, const a
   const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const uint16_t* mn = reinterpret_cast<const uint16_t*>(minimums.data_ptr<at::Half>());
   float* out = y.data_ptr<float>();
-  at::parallel_for(0, n, grain_for(n), [&](int64_t n0, int64_t n1) {
+  parallel_chunks(n, grain_for(n), [&](int64_t n0, int64_t n1) {
     std::vector<float> dw(groups), mw(groups);
     for (int64_t row = n0; row < n1; ++row) {
       prefetch_params(sc, mn, row + PARAMS_AHEAD, groups, n);
@@ -448,7 +567,7 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes, const a
   const int8_t* c = codes.data_ptr<int8_t>();
   const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   float* out = y.data_ptr<float>();
-  at::parallel_for(0, n, grain_for(n), [&](int64_t n0, int64_t n1) {
+  parallel_chunks(n, grain_for(n), [&](int64_t n0, int64_t n1) {
     std::vector<float> dw(groups);
     for (int64_t row = n0; row < n1; ++row) {
       prefetch_params(sc, nullptr, row + PARAMS_AHEAD, groups, n);
@@ -472,7 +591,7 @@ at::Tensor float_linear_impl(const at::Tensor& x, const at::Tensor& w) {
   const float* xp = x.data_ptr<float>();
   const T* wp = w.data_ptr<T>();
   float* out = y.data_ptr<float>();
-  at::parallel_for(0, n, grain_for(n), [&](int64_t n0, int64_t n1) {
+  parallel_chunks(n, grain_for(n), [&](int64_t n0, int64_t n1) {
     for (int64_t row = n0; row < n1; ++row)
       for (int64_t i = 0; i < m; ++i) out[i * n + row] = dot_any<T>(xp + i * k, wp + row * k, k);
   });
@@ -1635,8 +1754,8 @@ at::Tensor run_attention(const at::Tensor& q, const StepMap& map, MakeRows make_
     }
   std::vector<float> partials(parts * vectors * stride);
   const float* qb = q.data_ptr<float>();
-  at::parallel_for(0, static_cast<int64_t>(work.size()), 1, [&](int64_t w0, int64_t w1) {
-    std::vector<float> qg;
+  parallel_chunks(static_cast<int64_t>(work.size()), 1, [&](int64_t w0, int64_t w1) {
+    thread_local std::vector<float> qg;
     for (int64_t w = w0; w < w1; ++w) {
       const Work& job = work[w];
       const int32_t* pos = map.q_pos + job.b * t + job.r0;
