@@ -1029,6 +1029,144 @@ inline void score_codes(const int16_t* codes, int64_t n, int64_t dp, const int16
   }
 }
 
+#endif
+
+#if defined(KVSCOPE_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define KVSCOPE_KV512 1
+// ---- AVX-512 (VNNI, VBMI): the same sums, 16 tokens or channels a register, fewer instructions a token.
+// Keys: 16 rows of codes are transposed in registers so that a 32-bit lane holds four channels of one token; the
+// query, q * scale per channel on a 15-bit grid per block, is split in two int8 parts (x = 256 hi + lo), and
+// vpdpbusd sums codes (unsigned: int4 as they are, int8 plus 128) times each part: 16 tokens' exact int32 sums in
+// one register, no horizontal sums. Values: two tokens' codes per channel as int16 pairs meet the pair's weights
+// in vpdpwssd (exact int32 sums, as the AVX2 path's madd). Every sum is exact, so the order is free.
+constexpr int64_t TOKENS_512 = 16;  // tokens a register of scores holds
+
+inline bool kv512_keys(int bits, int64_t d) { return d <= 256 && d % (bits == 4 ? 32 : 16) == 0; }
+inline bool kv512_values(int bits, int64_t d) { return d <= 256 && d % (bits == 4 ? 64 : 32) == 0; }
+
+// a block's key scales (and int4 minimums) as floats, [D] each, shared by every vector of the tile
+template <int BITS>
+inline void key_params_f32(const uint16_t* param, int64_t d, float* sc, float* mn) {
+  auto bytes = reinterpret_cast<const uint8_t*>(param);
+  auto [s_super, m_super] = BITS == 4 ? int4_supers(param, d) : std::pair<float, float>{0.f, 0.f};
+  for (int64_t j = 0; j < d; j += 16) {
+    if constexpr (BITS == 8) {
+      _mm512_storeu_ps(sc + j, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(param + j))));
+    } else {
+      __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + j));
+      __m128i m8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + d + j));
+      _mm512_storeu_ps(sc + j, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(s8)), _mm512_set1_ps(s_super)));
+      _mm512_storeu_ps(mn + j, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(m8)), _mm512_set1_ps(m_super)));
+    }
+  }
+}
+
+struct QueryParts {  // a vector against one block: x = q * scale ~ dq * (256 hi + lo), hi and lo int8 [D]
+  alignas(64) int8_t hi[256], lo[256];
+  float dq, bias;  // bias: q . min (int4), 0 (int8)
+  int32_t offset;  // int8: 128 * sum of (256 hi + lo), what the codes' +128 adds to the sums
+};
+
+template <int BITS>
+inline void query_parts(const float* q, const float* sc, const float* mn, int64_t d, QueryParts* out) {
+  alignas(64) float x[256];
+  __m512 amax = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+  for (int64_t j = 0; j < d; j += 16) {
+    __m512 qj = _mm512_loadu_ps(q + j), xj = _mm512_mul_ps(qj, _mm512_loadu_ps(sc + j));
+    _mm512_store_ps(x + j, xj);
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(xj));
+    if constexpr (BITS == 4) b = _mm512_fmadd_ps(qj, _mm512_loadu_ps(mn + j), b);
+  }
+  float top = _mm512_reduce_max_ps(amax), inv = top > 0.f ? 32512.f / top : 0.f;  // |x| <= 127.5 * 256
+  const __m512 vinv = _mm512_set1_ps(inv);
+  __m512i total = _mm512_setzero_si512();
+  for (int64_t j = 0; j < d; j += 16) {
+    __m512i xi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(x + j), vinv));
+    __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(xi, _mm512_set1_epi32(128)), 8);  // -127..127
+    __m512i lo = _mm512_sub_epi32(xi, _mm512_slli_epi32(hi, 8));                       // -128..127
+    _mm_store_si128(reinterpret_cast<__m128i*>(out->hi + j), _mm512_cvtepi32_epi8(hi));
+    _mm_store_si128(reinterpret_cast<__m128i*>(out->lo + j), _mm512_cvtepi32_epi8(lo));
+    total = _mm512_add_epi32(total, xi);
+  }
+  out->dq = top / 32512.f;
+  out->bias = BITS == 4 ? _mm512_reduce_add_ps(b) : 0.f;
+  out->offset = BITS == 8 ? 128 * _mm512_reduce_add_epi32(total) : 0;
+}
+
+// rows[0..16) (row bytes `bytes`, a multiple of 16) -> quads[g]: channels 4g..4g+3 of the 16 tokens, one token a
+// 32-bit lane, as unsigned bytes (int4: the codes; int8: code + 128); D / 4 registers
+template <int BITS>
+inline void transpose_codes(const uint8_t* const* rows, int64_t bytes, __m512i* quads) {
+  const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  int64_t dwords = bytes / 4;
+  for (int64_t c = 0; c < bytes; c += 16) {
+    __m512i z[4];  // z[i], 128-bit lane L: bytes c..c+15 of row 4L + i
+    for (int i = 0; i < 4; ++i) {
+      auto at = [&](int r) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[r] + c)); };
+      z[i] = _mm512_castsi128_si512(at(i));
+      z[i] = _mm512_inserti32x4(z[i], at(4 + i), 1);
+      z[i] = _mm512_inserti32x4(z[i], at(8 + i), 2);
+      z[i] = _mm512_inserti32x4(z[i], at(12 + i), 3);
+    }
+    __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+    __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+    __m512i o[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2), _mm512_unpacklo_epi64(t1, t3),
+                    _mm512_unpackhi_epi64(t1, t3)};  // o[k]: dword c / 4 + k of the 16 rows
+    for (int k = 0; k < 4; ++k) {
+      int64_t g = c / 4 + k;
+      if constexpr (BITS == 4) {
+        quads[g] = _mm512_and_si512(o[k], low);  // channels 4g.. (low nibbles), half + 4g.. (high)
+        quads[dwords + g] = _mm512_and_si512(_mm512_srli_epi16(o[k], 4), low);
+      } else {
+        quads[g] = _mm512_xor_si512(o[k], flip);
+      }
+    }
+  }
+}
+
+// 16 tokens' scores for one vector: dq * (codes . (256 hi + lo) - offset) + bias, from transpose_codes' quads
+inline __m512 score_quads(const __m512i* quads, int64_t d, const QueryParts& qp) {
+  __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;  // two chains a part
+  auto hi = reinterpret_cast<const int32_t*>(qp.hi);
+  auto lo = reinterpret_cast<const int32_t*>(qp.lo);
+  for (int64_t g = 0; g < d / 4; g += 2) {
+    h0 = _mm512_dpbusd_epi32(h0, quads[g], _mm512_set1_epi32(hi[g]));
+    l0 = _mm512_dpbusd_epi32(l0, quads[g], _mm512_set1_epi32(lo[g]));
+    h1 = _mm512_dpbusd_epi32(h1, quads[g + 1], _mm512_set1_epi32(hi[g + 1]));
+    l1 = _mm512_dpbusd_epi32(l1, quads[g + 1], _mm512_set1_epi32(lo[g + 1]));
+  }
+  __m512i sums = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), _mm512_add_epi32(l0, l1));
+  sums = _mm512_sub_epi32(sums, _mm512_set1_epi32(qp.offset));
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(qp.dq), _mm512_set1_ps(qp.bias));
+}
+
+// score_int_block's sums, 16 tokens at a time: the scores of every vector against one block [s, e)
+template <int BITS>
+void score_block_512(const float* q, const uint8_t* const* code, const uint16_t* prm, const int64_t* last,
+                     int64_t nq, int64_t d, int64_t s, int64_t e, int64_t k0, float* scores, int64_t padded) {
+  alignas(64) float sc[256], mn[256];
+  __m512i quads[64];
+  thread_local std::vector<QueryParts> parts;
+  parts.resize(nq);
+  key_params_f32<BITS>(prm, d, sc, mn);
+  for (int64_t i = 0; i < nq; ++i)
+    if (s - k0 <= last[i]) query_parts<BITS>(q + i * d, sc, mn, d, &parts[i]);
+  for (int64_t c = s; c < e; c += TOKENS_512) {
+    int64_t n = std::min(TOKENS_512, e - c);
+    const uint8_t* rows[TOKENS_512];  // a last chunk of fewer reads its last row again; those scores are dropped
+    for (int64_t r = 0; r < TOKENS_512; ++r) rows[r] = code[std::min(c + r, e - 1) - s];
+    transpose_codes<BITS>(rows, d * BITS / 8, quads);
+    for (int64_t i = 0; i < nq; ++i)
+      if (c - k0 <= last[i])
+        _mm512_mask_storeu_ps(scores + i * padded + c - k0, static_cast<__mmask16>((1u << n) - 1),
+                              score_quads(quads, d, parts[i]));
+  }
+}
+
+#endif
+
+#ifdef KVSCOPE_AVX2
 // ---- int4 values by integer products: each vector's weights w_p = e_p * scale_p (its softmax weight times the
 // token's value scale) go onto one int16 grid per tile, w ~ dw * w16 (dw = max w / 32767: 15 bits of the largest);
 // the codes of two tokens are interleaved as int16 pairs per channel, so one madd gives w16_p c_p + w16_p+1 c_p+1,
@@ -1107,11 +1245,112 @@ inline float weights_int16(const float* w, int64_t n, int16_t* w16) {
   return wmax / 32767.f;
 }
 
+#endif
+
+#ifdef KVSCOPE_KV512
+// the codes of tokens a and b (row bytes d * BITS / 8) -> d / 16 registers of int16 pairs (a_j, b_j), 16 channels
+// each: per 32 bytes of a row, int4 channels [c, c + 16), [c + 16, c + 32), [half + c, ..), [half + c + 16, ..);
+// int8 channels [c, c + 16), [c + 16, c + 32)
+template <int BITS>
+inline void pair_codes(const uint8_t* a, const uint8_t* b, int64_t d, __m512i* out) {
+  static const __m512i place = [] {  // byte 4i: a's byte i, byte 4i + 2: b's (which sits 32 bytes on)
+    alignas(64) uint8_t idx[64];
+    for (int i = 0; i < 16; ++i)
+      idx[4 * i] = idx[4 * i + 1] = static_cast<uint8_t>(i), idx[4 * i + 2] = idx[4 * i + 3] = static_cast<uint8_t>(32 + i);
+    return _mm512_load_si512(idx);
+  }();
+  const __m512i sixteen = _mm512_set1_epi8(16), low = _mm512_set1_epi8(0x0F);
+  constexpr __mmask64 EVEN = 0x5555555555555555ull, ODD = 0xAAAAAAAAAAAAAAAAull;
+  for (int64_t c = 0; c < d * BITS / 8; c += 32) {
+    __m512i src = _mm512_inserti64x4(_mm512_castsi256_si512(load256(a + c)), load256(b + c), 1);
+    __m512i lo = _mm512_and_si512(src, low), hi = _mm512_and_si512(_mm512_srli_epi16(src, 4), low);
+    for (int m = 0; m < 2; ++m) {
+      __m512i idx = m ? _mm512_add_epi8(place, sixteen) : place;
+      if constexpr (BITS == 4) {
+        *out++ = _mm512_maskz_permutexvar_epi8(EVEN, idx, lo);
+        *out++ = _mm512_maskz_permutexvar_epi8(EVEN, idx, hi);
+      } else {
+        *out++ = _mm512_srai_epi16(_mm512_maskz_permutexvar_epi8(ODD, idx, src), 8);  // the code in the high byte
+      }
+    }
+  }
+}
+
+// the first channel of register r of pair_codes' output
+inline int64_t pair_channel(int bits, int64_t r, int64_t d) {
+  if (bits == 4) return r / 4 * 32 + (r % 4) / 2 * 16 + (r % 2) * (d / 2);
+  return r * 16;
+}
+
+// acc (R registers in pair_codes' order) += the n pairs' codes times their weights (w16[2r], w16[2r + 1])
+template <int R>
+inline void dpwssd_pairs(const __m512i* pairs, const int16_t* w16, int64_t n, __m512i* acc) {
+  __m512i a[R];
+  for (int k = 0; k < R; ++k) a[k] = acc[k];
+  for (int64_t r = 0; r < n; ++r) {
+    int32_t two;
+    std::memcpy(&two, w16 + 2 * r, sizeof two);
+    __m512i w = _mm512_set1_epi32(two);
+    for (int k = 0; k < R; ++k) a[k] = _mm512_dpwssd_epi32(a[k], pairs[r * R + k], w);
+  }
+  for (int k = 0; k < R; ++k) acc[k] = a[k];
+}
+
+inline void dpwssd_pairs_any(const __m512i* pairs, const int16_t* w16, int64_t n, int64_t regs, __m512i* acc) {
+  switch (regs) {  // d / 16: int4 4, 8, 12, 16; int8 any even number up to 16
+    case 2: return dpwssd_pairs<2>(pairs, w16, n, acc);
+    case 4: return dpwssd_pairs<4>(pairs, w16, n, acc);
+    case 6: return dpwssd_pairs<6>(pairs, w16, n, acc);
+    case 8: return dpwssd_pairs<8>(pairs, w16, n, acc);
+    case 10: return dpwssd_pairs<10>(pairs, w16, n, acc);
+    case 12: return dpwssd_pairs<12>(pairs, w16, n, acc);
+    case 14: return dpwssd_pairs<14>(pairs, w16, n, acc);
+    default: return dpwssd_pairs<16>(pairs, w16, n, acc);
+  }
+}
+
+// weigh_int_values' sums by vpdpwssd: part_i[2..] += dw_i * (integer sums) + bias_i
+template <int BITS>
+void weigh_values_512(const uint8_t* const* rows, int64_t n, int64_t d, const std::vector<int64_t>& active,
+                      const float* weights, const float* bias, float* part, int64_t stride) {
+  alignas(64) static const uint8_t zeros[256] = {};  // the partner of a last token alone (weight 0)
+  int64_t regs = d / 16, even = (n + 1) / 2 * 2, nv = active.size();
+  thread_local std::vector<int16_t> w16;
+  thread_local std::vector<float> dw;
+  thread_local std::vector<__m512i> pairs, acc;
+  w16.resize(nv * even);
+  dw.resize(nv);
+  for (int64_t v = 0; v < nv; ++v) dw[v] = weights_int16(weights + v * even, even, w16.data() + v * even);
+  acc.assign(nv * regs, _mm512_setzero_si512());
+  pairs.resize(PAIRS_AT_ONCE * regs);
+  for (int64_t p0 = 0; p0 < n; p0 += 2 * PAIRS_AT_ONCE) {
+    int64_t m = std::min(2 * PAIRS_AT_ONCE, n - p0), np = (m + 1) / 2;
+    for (int64_t r = 0; r < np; ++r)
+      pair_codes<BITS>(rows[p0 + 2 * r], 2 * r + 1 < m ? rows[p0 + 2 * r + 1] : zeros, d, pairs.data() + r * regs);
+    for (int64_t v = 0; v < nv; ++v)
+      dpwssd_pairs_any(pairs.data(), w16.data() + v * even + p0, np, regs, acc.data() + v * regs);
+  }
+  for (int64_t v = 0; v < nv; ++v) {
+    const __m512 vdw = _mm512_set1_ps(dw[v]), vbias = _mm512_set1_ps(bias[v]);
+    float* out = part + active[v] * stride + 2;
+    for (int64_t r = 0; r < regs; ++r) {
+      float* o = out + pair_channel(BITS, r, d);
+      __m512 x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[v * regs + r]), vdw, _mm512_loadu_ps(o));
+      _mm512_storeu_ps(o, _mm512_add_ps(x, vbias));
+    }
+  }
+}
+#endif
+
+#ifdef KVSCOPE_AVX2
 // every active vector's values over the codes of [qstart, qstart + n): weights (float, [active][n_even], zeros past
 // a vector's last key) -> part_i[2..] += dw_i * (integer sums) + bias_i
 template <int BITS>
 inline void weigh_int_values(const uint8_t* const* rows, int64_t n, int64_t d, const std::vector<int64_t>& active,
                               const float* weights, const float* bias, float* part, int64_t stride) {
+#ifdef KVSCOPE_KV512
+  if (kv512_values(BITS, d)) return weigh_values_512<BITS>(rows, n, d, active, weights, bias, part, stride);
+#endif
   int64_t dp = padded_channels(d), regs = dp / 8, even = (n + 1) / 2 * 2, nv = active.size();
   thread_local std::vector<int16_t> w16;
   thread_local std::vector<float> dw;
@@ -1219,6 +1458,9 @@ inline void prefetch_codes(const QuantRows<BITS>& keys, const QuantRows<BITS>& v
 template <int BITS>
 inline void score_int_block(const float* q, const uint8_t* const* code, const uint16_t* prm, const int64_t* last,
                              int64_t nq, int64_t d, int64_t s, int64_t e, int64_t k0, float* scores, int64_t padded) {
+#ifdef KVSCOPE_KV512
+  if (kv512_keys(BITS, d)) return score_block_512<BITS>(q, code, prm, last, nq, d, s, e, k0, scores, padded);
+#endif
 #ifdef KVSCOPE_AVX2
   thread_local std::vector<float> qs;
   thread_local std::vector<uint8_t> unpacked;
