@@ -747,6 +747,23 @@ inline void weigh_group(const float* e, int64_t padded, int64_t count, const T* 
 #endif
 }
 
+// the largest of s[0..n), n >= 1 (max is exact, so any order gives std::max_element's value)
+inline float row_max(const float* s, int64_t n) {
+  float mx = s[0];
+  int64_t p = 0;
+#ifdef KVSCOPE_AVX2
+  if (n >= 8) {
+    __m256 m = _mm256_loadu_ps(s);
+    for (p = 8; p + 8 <= n; p += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + p));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m);
+    mx = *std::max_element(lanes, lanes + 8);
+  }
+#endif
+  for (; p < n; ++p) mx = std::max(mx, s[p]);
+  return mx;
+}
+
 // each vector's partial: its maximum score, the softmax weights in place of its scores (and their sum), and
 // zeroed values to accumulate into; a vector with no key in the tile (last < 0) keeps -inf and 0
 inline void start_partials(float* part, float* scores, const int64_t* last, int64_t nq, int64_t padded, int64_t d) {
@@ -757,7 +774,7 @@ inline void start_partials(float* part, float* scores, const int64_t* last, int6
     std::fill_n(pi + 2, d, 0.f);
     if (last[i] < 0) continue;
     float* si = scores + i * padded;
-    pi[0] = *std::max_element(si, si + last[i] + 1);
+    pi[0] = row_max(si, last[i] + 1);
     pi[1] = softmax_row(si, last[i], padded, pi[0]);
   }
 }
