@@ -1063,8 +1063,9 @@ inline bool kv512_keys(int bits, int64_t d) { return d <= 256 && d % (bits == 4 
 inline bool kv512_values(int bits, int64_t d) { return d <= 256 && d % (bits == 4 ? 64 : 32) == 0; }
 
 // a block's key scales (and int4 minimums) as floats, [D] each, shared by every vector of the tile
-template <int BITS>
-inline void key_params_f32(const uint16_t* param, int64_t d, float* sc, float* mn) {
+template <int BITS, int D16>
+inline void key_params_f32(const uint16_t* param, int64_t d_, float* sc, float* mn) {
+  const int64_t d = D16 ? D16 * 16 : d_;
   auto bytes = reinterpret_cast<const uint8_t*>(param);
   auto [s_super, m_super] = BITS == 4 ? int4_supers(param, d) : std::pair<float, float>{0.f, 0.f};
   for (int64_t j = 0; j < d; j += 16) {
@@ -1085,8 +1086,9 @@ struct QueryParts {  // a vector against one block: x = q * scale ~ dq * (256 hi
   int32_t offset;  // int8: 128 * sum of (256 hi + lo), what the codes' +128 adds to the sums
 };
 
-template <int BITS>
-inline void query_parts(const float* q, const float* sc, const float* mn, int64_t d, QueryParts* out) {
+template <int BITS, int D16>
+inline void query_parts(const float* q, const float* sc, const float* mn, int64_t d_, QueryParts* out) {
+  const int64_t d = D16 ? D16 * 16 : d_;
   alignas(64) float x[256];
   __m512 amax = _mm512_setzero_ps(), b = _mm512_setzero_ps();
   for (int64_t j = 0; j < d; j += 16) {
@@ -1113,8 +1115,9 @@ inline void query_parts(const float* q, const float* sc, const float* mn, int64_
 
 // rows[0..16) (row bytes `bytes`, a multiple of 16) -> quads[g]: channels 4g..4g+3 of the 16 tokens, one token a
 // 32-bit lane, as unsigned bytes (int4: the codes; int8: code + 128); D / 4 registers
-template <int BITS>
-inline void transpose_codes(const uint8_t* const* rows, int64_t bytes, __m512i* quads) {
+template <int BITS, int D16>
+inline void transpose_codes(const uint8_t* const* rows, int64_t bytes_, __m512i* quads) {
+  const int64_t bytes = D16 ? D16 * 2 * BITS : bytes_;
   const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
   int64_t dwords = bytes / 4;
   for (int64_t c = 0; c < bytes; c += 16) {
@@ -1143,7 +1146,9 @@ inline void transpose_codes(const uint8_t* const* rows, int64_t bytes, __m512i* 
 }
 
 // 16 tokens' scores for one vector: dq * (codes . (256 hi + lo) - offset) + bias, from transpose_codes' quads
-inline __m512 score_quads(const __m512i* quads, int64_t d, const QueryParts& qp) {
+template <int D16>
+inline __m512 score_quads(const __m512i* quads, int64_t d_, const QueryParts& qp) {
+  const int64_t d = D16 ? D16 * 16 : d_;
   __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;  // two chains a part
   auto hi = reinterpret_cast<const int32_t*>(qp.hi);
   auto lo = reinterpret_cast<const int32_t*>(qp.lo);
@@ -1158,27 +1163,36 @@ inline __m512 score_quads(const __m512i* quads, int64_t d, const QueryParts& qp)
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(qp.dq), _mm512_set1_ps(qp.bias));
 }
 
-// score_int_block's sums, 16 tokens at a time: the scores of every vector against one block [s, e)
-template <int BITS>
+// score_int_block's sums, 16 tokens at a time: the scores of every vector against one block [s, e); D16: d / 16
+// where known when compiled (the loops unrolled, a block's parameters and query in registers), else 0
+template <int BITS, int D16>
 void score_block_512(const float* q, const uint8_t* const* code, const uint16_t* prm, const int64_t* last,
                      int64_t nq, int64_t d, int64_t s, int64_t e, int64_t k0, float* scores, int64_t padded) {
   alignas(64) float sc[256], mn[256];
   __m512i quads[64];
   thread_local std::vector<QueryParts> parts;
   parts.resize(nq);
-  key_params_f32<BITS>(prm, d, sc, mn);
+  key_params_f32<BITS, D16>(prm, d, sc, mn);
   for (int64_t i = 0; i < nq; ++i)
-    if (s - k0 <= last[i]) query_parts<BITS>(q + i * d, sc, mn, d, &parts[i]);
+    if (s - k0 <= last[i]) query_parts<BITS, D16>(q + i * d, sc, mn, d, &parts[i]);
   for (int64_t c = s; c < e; c += TOKENS_512) {
     int64_t n = std::min(TOKENS_512, e - c);
     const uint8_t* rows[TOKENS_512];  // a last chunk of fewer reads its last row again; those scores are dropped
     for (int64_t r = 0; r < TOKENS_512; ++r) rows[r] = code[std::min(c + r, e - 1) - s];
-    transpose_codes<BITS>(rows, d * BITS / 8, quads);
+    transpose_codes<BITS, D16>(rows, d * BITS / 8, quads);
     for (int64_t i = 0; i < nq; ++i)
       if (c - k0 <= last[i])
         _mm512_mask_storeu_ps(scores + i * padded + c - k0, static_cast<__mmask16>((1u << n) - 1),
-                              score_quads(quads, d, parts[i]));
+                              score_quads<D16>(quads, d, parts[i]));
   }
+}
+
+template <int BITS>
+void score_block_512_any(const float* q, const uint8_t* const* code, const uint16_t* prm, const int64_t* last,
+                         int64_t nq, int64_t d, int64_t s, int64_t e, int64_t k0, float* scores, int64_t padded) {
+  if (d == 64) return score_block_512<BITS, 4>(q, code, prm, last, nq, d, s, e, k0, scores, padded);
+  if (d == 128) return score_block_512<BITS, 8>(q, code, prm, last, nq, d, s, e, k0, scores, padded);
+  score_block_512<BITS, 0>(q, code, prm, last, nq, d, s, e, k0, scores, padded);
 }
 
 #endif
@@ -1465,8 +1479,8 @@ inline void prefetch_codes(const QuantRows<BITS>& keys, const QuantRows<BITS>& v
     int64_t n = e - s;
     prefetch_span(keys.code[s - keys.first], keys.code[s - keys.first] + n * bytes, _MM_HINT_T0);
     prefetch_span(prm, reinterpret_cast<const char*>(prm) + key_param_bytes(BITS, d), _MM_HINT_T0);
-    prefetch_span(values.code[s - values.first], values.code[s - values.first] + n * bytes, _MM_HINT_T1);
-    prefetch_span(values.param[s - values.first], values.param[e - 1 - values.first] + 1, _MM_HINT_T1);
+    prefetch_span(values.code[s - values.first], values.code[s - values.first] + n * bytes, _MM_HINT_T0);
+    prefetch_span(values.param[s - values.first], values.param[e - 1 - values.first] + 1, _MM_HINT_T0);
   }
 }
 
@@ -1476,7 +1490,7 @@ template <int BITS>
 inline void score_int_block(const float* q, const uint8_t* const* code, const uint16_t* prm, const int64_t* last,
                              int64_t nq, int64_t d, int64_t s, int64_t e, int64_t k0, float* scores, int64_t padded) {
 #ifdef KVSCOPE_KV512
-  if (kv512_keys(BITS, d)) return score_block_512<BITS>(q, code, prm, last, nq, d, s, e, k0, scores, padded);
+  if (kv512_keys(BITS, d)) return score_block_512_any<BITS>(q, code, prm, last, nq, d, s, e, k0, scores, padded);
 #endif
 #ifdef KVSCOPE_AVX2
   thread_local std::vector<float> qs;
@@ -1552,6 +1566,35 @@ inline float fold_weights(const float* e, const float* scale, const float* minim
   return tail;
 }
 
+// n tokens' value scales (int4: and minimums) as floats; params[p]: token p's float16 scale (int4: then its
+// minimum), eight at a time where eight tokens' sit side by side (in one block)
+template <int BITS>
+inline void value_params(const uint16_t* const* params, int64_t n, float* scale, float* minimum) {
+  constexpr int64_t STEP = BITS == 4 ? 2 : 1;  // float16 values a token
+  auto one = [&](int64_t p) {
+    scale[p] = half_to_float(params[p][0]);
+    if constexpr (BITS == 4) minimum[p] = half_to_float(params[p][1]);
+  };
+  int64_t p = 0;
+#ifdef KVSCOPE_AVX2
+  for (; p + 8 <= n; p += 8) {
+    const uint16_t* at = params[p];
+    if (params[p + 7] != at + 7 * STEP) {  // across blocks
+      for (int64_t r = p; r < p + 8; ++r) one(r);
+      continue;
+    }
+    if constexpr (BITS == 8) {
+      _mm256_storeu_ps(scale + p, halves8(at));
+    } else {
+      __m256 a = halves8(at), b = halves8(at + 8);  // s0 m0 s1 m1 .. s3 m3, then s4 m4 .. s7 m7
+      _mm256_storeu_ps(scale + p, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8)));
+      _mm256_storeu_ps(minimum + p, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8)));
+    }
+  }
+#endif
+  for (; p < n; ++p) one(p);
+}
+
 // the values of [qstart, qend) weighted by the softmax weights e (a token's scale folded into its weight, its
 // minimum into a bias per vector): part_i[2..] += sum over p of e_i[p] * (scale_p * code_p + min_p)
 template <int BITS>
@@ -1562,11 +1605,7 @@ void weigh_quantized(const float* scores, int64_t padded, const QuantRows<BITS>&
   thread_local std::vector<int64_t> active;
   scale.assign(even, 0.f);
   minimum.assign(even, 0.f);
-  for (int64_t p = 0; p < n; ++p) {
-    const uint16_t* prm = values.param[qstart + p - values.first];
-    scale[p] = half_to_float(prm[0]);
-    if constexpr (BITS == 4) minimum[p] = half_to_float(prm[1]);
-  }
+  value_params<BITS>(values.param + (qstart - values.first), n, scale.data(), minimum.data());
   weights.resize(nq * even);
   bias.resize(nq);
   active.clear();
