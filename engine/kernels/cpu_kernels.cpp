@@ -1086,31 +1086,52 @@ struct QueryParts {  // a vector against one block: x = q * scale ~ dq * (256 hi
   int32_t offset;  // int8: 128 * sum of (256 hi + lo), what the codes' +128 adds to the sums
 };
 
+// the horizontal maxima (MAX) or sums of four registers -> lanes 0..3, in one fixed order
+template <bool MAX>
+inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  auto op = [](__m512 x, __m512 y) { return MAX ? _mm512_max_ps(x, y) : _mm512_add_ps(x, y); };
+  auto pd = [](__m512 x) { return _mm512_castps_pd(x); };
+  __m512 t0 = op(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));  // a 128-bit lane: a0 a1 a0 a1
+  __m512 t1 = op(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));  // a2 a3 a2 a3
+  __m512 u = op(_mm512_castpd_ps(_mm512_unpacklo_pd(pd(t0), pd(t1))),
+                _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t0), pd(t1))));  // a0 a1 a2 a3
+  u = op(u, _mm512_shuffle_f32x4(u, u, 0x4E));
+  return _mm512_castps512_ps128(op(u, _mm512_shuffle_f32x4(u, u, 0xB1)));
+}
+
+// up to four vectors q[v] against one block (scales sc, int4 minimums mn, as floats): their QueryParts
 template <int BITS, int D16>
-inline void query_parts(const float* q, const float* sc, const float* mn, int64_t d_, QueryParts* out) {
+inline void query_parts(const float* const* q, int nv, const float* sc, const float* mn, int64_t d_,
+                        QueryParts* const* out) {
   const int64_t d = D16 ? D16 * 16 : d_;
-  alignas(64) float x[256];
-  __m512 amax = _mm512_setzero_ps(), b = _mm512_setzero_ps();
-  for (int64_t j = 0; j < d; j += 16) {
-    __m512 qj = _mm512_loadu_ps(q + j), xj = _mm512_mul_ps(qj, _mm512_loadu_ps(sc + j));
-    _mm512_store_ps(x + j, xj);
-    amax = _mm512_max_ps(amax, _mm512_abs_ps(xj));
-    if constexpr (BITS == 4) b = _mm512_fmadd_ps(qj, _mm512_loadu_ps(mn + j), b);
+  alignas(64) float x[4][256];
+  __m512 amax[4], b[4];
+  for (int v = 0; v < 4; ++v) amax[v] = b[v] = _mm512_setzero_ps();
+  for (int v = 0; v < nv; ++v)
+    for (int64_t j = 0; j < d; j += 16) {
+      __m512 qj = _mm512_loadu_ps(q[v] + j), xj = _mm512_mul_ps(qj, _mm512_loadu_ps(sc + j));
+      _mm512_store_ps(x[v] + j, xj);
+      amax[v] = _mm512_max_ps(amax[v], _mm512_abs_ps(xj));
+      if constexpr (BITS == 4) b[v] = _mm512_fmadd_ps(qj, _mm512_loadu_ps(mn + j), b[v]);
+    }
+  alignas(16) float top[4], bias[4];
+  _mm_store_ps(top, reduce4<true>(amax[0], amax[1], amax[2], amax[3]));
+  _mm_store_ps(bias, reduce4<false>(b[0], b[1], b[2], b[3]));
+  for (int v = 0; v < nv; ++v) {
+    const __m512 vinv = _mm512_set1_ps(top[v] > 0.f ? 32512.f / top[v] : 0.f);  // |x| <= 127.5 * 256
+    __m512i total = _mm512_setzero_si512();
+    for (int64_t j = 0; j < d; j += 16) {
+      __m512i xi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(x[v] + j), vinv));
+      __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(xi, _mm512_set1_epi32(128)), 8);  // -127..127
+      __m512i lo = _mm512_sub_epi32(xi, _mm512_slli_epi32(hi, 8));                       // -128..127
+      _mm_store_si128(reinterpret_cast<__m128i*>(out[v]->hi + j), _mm512_cvtepi32_epi8(hi));
+      _mm_store_si128(reinterpret_cast<__m128i*>(out[v]->lo + j), _mm512_cvtepi32_epi8(lo));
+      total = _mm512_add_epi32(total, xi);
+    }
+    out[v]->dq = top[v] / 32512.f;
+    out[v]->bias = BITS == 4 ? bias[v] : 0.f;
+    out[v]->offset = BITS == 8 ? 128 * _mm512_reduce_add_epi32(total) : 0;
   }
-  float top = _mm512_reduce_max_ps(amax), inv = top > 0.f ? 32512.f / top : 0.f;  // |x| <= 127.5 * 256
-  const __m512 vinv = _mm512_set1_ps(inv);
-  __m512i total = _mm512_setzero_si512();
-  for (int64_t j = 0; j < d; j += 16) {
-    __m512i xi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(x + j), vinv));
-    __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(xi, _mm512_set1_epi32(128)), 8);  // -127..127
-    __m512i lo = _mm512_sub_epi32(xi, _mm512_slli_epi32(hi, 8));                       // -128..127
-    _mm_store_si128(reinterpret_cast<__m128i*>(out->hi + j), _mm512_cvtepi32_epi8(hi));
-    _mm_store_si128(reinterpret_cast<__m128i*>(out->lo + j), _mm512_cvtepi32_epi8(lo));
-    total = _mm512_add_epi32(total, xi);
-  }
-  out->dq = top / 32512.f;
-  out->bias = BITS == 4 ? _mm512_reduce_add_ps(b) : 0.f;
-  out->offset = BITS == 8 ? 128 * _mm512_reduce_add_epi32(total) : 0;
 }
 
 // rows[0..16) (row bytes `bytes`, a multiple of 16) -> quads[g]: channels 4g..4g+3 of the 16 tokens, one token a
@@ -1173,8 +1194,13 @@ void score_block_512(const float* q, const uint8_t* const* code, const uint16_t*
   thread_local std::vector<QueryParts> parts;
   parts.resize(nq);
   key_params_f32<BITS, D16>(prm, d, sc, mn);
-  for (int64_t i = 0; i < nq; ++i)
-    if (s - k0 <= last[i]) query_parts<BITS, D16>(q + i * d, sc, mn, d, &parts[i]);
+  const float* qv[4];
+  QueryParts* out[4];
+  int nv = 0;
+  for (int64_t i = 0; i < nq; ++i) {  // the vectors that see the block, four at a time
+    if (s - k0 <= last[i]) qv[nv] = q + i * d, out[nv++] = &parts[i];
+    if (nv == 4 || (i == nq - 1 && nv)) query_parts<BITS, D16>(qv, nv, sc, mn, d, out), nv = 0;
+  }
   for (int64_t c = s; c < e; c += TOKENS_512) {
     int64_t n = std::min(TOKENS_512, e - c);
     const uint8_t* rows[TOKENS_512];  // a last chunk of fewer reads its last row again; those scores are dropped
@@ -1462,7 +1488,7 @@ inline int64_t key_param_bytes(int bits, int64_t d) { return bits == 8 ? 2 * d :
 
 inline void prefetch_span(const void* from, const void* to, int hint) {
 #ifdef KVSCOPE_AVX2
-  auto* p = static_cast<const char*>(from);
+  auto* p = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(from) & ~uintptr_t{63});  // whole lines
   for (; p < static_cast<const char*>(to); p += 64)
     hint == _MM_HINT_T0 ? _mm_prefetch(p, _MM_HINT_T0) : _mm_prefetch(p, _MM_HINT_T1);
 #endif
