@@ -577,6 +577,34 @@ inline void prefetch_row(const void* key, const void* value, int64_t bytes) {
 #endif
 }
 
+// the lines of [from, to) into L1 (hint _MM_HINT_T0) or L2
+inline void prefetch_span(const void* from, const void* to, int hint) {
+#ifdef KVSCOPE_AVX2
+  auto* p = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(from) & ~uintptr_t{63});  // whole lines
+  for (; p < static_cast<const char*>(to); p += 64)
+    hint == _MM_HINT_T0 ? _mm_prefetch(p, _MM_HINT_T0) : _mm_prefetch(p, _MM_HINT_T1);
+#endif
+}
+
+// lines to prefetch into L1, issued a few at a time between a block's computations: int8's whole block of lines at
+// once (19 and more) would fill the line fill buffers and stall the loads behind them
+struct Prefetches {
+  static constexpr int MAX = 128;
+  std::array<const char*, MAX> line{};
+  int n = 0, next = 0;
+  void add(const void* from, const void* to) {
+    auto* p = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(from) & ~uintptr_t{63});
+    for (; p < static_cast<const char*>(to) && n < MAX; p += 64) line[n++] = p;
+  }
+  void issue(int count) {
+#ifdef KVSCOPE_AVX2
+    for (int end = std::min(n, next + count); next < end; ++next) _mm_prefetch(line[next], _MM_HINT_T0);
+#endif
+  }
+  int left() const { return n - next; }
+  void clear() { n = next = 0; }
+};
+
 #ifdef KVSCOPE_AVX2
 // the lane sums of four accumulators -> [sum a0, sum a1, sum a2, sum a3]
 inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
@@ -1188,7 +1216,10 @@ inline __m512 score_quads(const __m512i* quads, int64_t d_, const QueryParts& qp
 // where known when compiled (the loops unrolled, a block's parameters and query in registers), else 0
 template <int BITS, int D16>
 void score_block_512(const float* q, const uint8_t* const* code, const uint16_t* prm, const int64_t* last,
-                     int64_t nq, int64_t d, int64_t s, int64_t e, int64_t k0, float* scores, int64_t padded) {
+                     int64_t nq, int64_t d, int64_t s, int64_t e, int64_t k0, float* scores, int64_t padded,
+                     Prefetches* ahead) {
+  int64_t chunks = (e - s + TOKENS_512 - 1) / TOKENS_512;
+  int each = static_cast<int>((ahead->left() + chunks * (nq + 1)) / (chunks * (nq + 1) + 1));  // a share a step
   alignas(64) float sc[256], mn[256];
   __m512i quads[64];
   thread_local std::vector<QueryParts> parts;
@@ -1201,27 +1232,41 @@ void score_block_512(const float* q, const uint8_t* const* code, const uint16_t*
     if (s - k0 <= last[i]) qv[nv] = q + i * d, out[nv++] = &parts[i];
     if (nv == 4 || (i == nq - 1 && nv)) query_parts<BITS, D16>(qv, nv, sc, mn, d, out), nv = 0;
   }
+  ahead->issue(each);
   for (int64_t c = s; c < e; c += TOKENS_512) {
     int64_t n = std::min(TOKENS_512, e - c);
     const uint8_t* rows[TOKENS_512];  // a last chunk of fewer reads its last row again; those scores are dropped
     for (int64_t r = 0; r < TOKENS_512; ++r) rows[r] = code[std::min(c + r, e - 1) - s];
     transpose_codes<BITS, D16>(rows, d * BITS / 8, quads);
-    for (int64_t i = 0; i < nq; ++i)
+    ahead->issue(each);
+    for (int64_t i = 0; i < nq; ++i) {
       if (c - k0 <= last[i])
         _mm512_mask_storeu_ps(scores + i * padded + c - k0, static_cast<__mmask16>((1u << n) - 1),
                               score_quads<D16>(quads, d, parts[i]));
+      ahead->issue(each);
+    }
   }
 }
 
 template <int BITS>
 void score_block_512_any(const float* q, const uint8_t* const* code, const uint16_t* prm, const int64_t* last,
-                         int64_t nq, int64_t d, int64_t s, int64_t e, int64_t k0, float* scores, int64_t padded) {
-  if (d == 64) return score_block_512<BITS, 4>(q, code, prm, last, nq, d, s, e, k0, scores, padded);
-  if (d == 128) return score_block_512<BITS, 8>(q, code, prm, last, nq, d, s, e, k0, scores, padded);
-  score_block_512<BITS, 0>(q, code, prm, last, nq, d, s, e, k0, scores, padded);
+                         int64_t nq, int64_t d, int64_t s, int64_t e, int64_t k0, float* scores, int64_t padded,
+                         Prefetches* ahead) {
+  if (d == 64) return score_block_512<BITS, 4>(q, code, prm, last, nq, d, s, e, k0, scores, padded, ahead);
+  if (d == 128) return score_block_512<BITS, 8>(q, code, prm, last, nq, d, s, e, k0, scores, padded, ahead);
+  score_block_512<BITS, 0>(q, code, prm, last, nq, d, s, e, k0, scores, padded, ahead);
 }
 
 #endif
+
+// whether the value phase prefetches its own codes (AVX-512: as it reads them, a steady distance ahead)
+inline bool values_fetch_own(int bits, int64_t d) {
+#ifdef KVSCOPE_KV512
+  return bits == 8 && kv512_values(bits, d);
+#else
+  return false;
+#endif
+}
 
 #ifdef KVSCOPE_AVX2
 // ---- int4 values by integer products: each vector's weights w_p = e_p * scale_p (its softmax weight times the
@@ -1313,7 +1358,7 @@ inline void pair_codes(const uint8_t* a, const uint8_t* b, int64_t d, __m512i* o
   static const __m512i place = [] {  // byte 4i: a's byte i, byte 4i + 2: b's (which sits 32 bytes on)
     alignas(64) uint8_t idx[64];
     for (int i = 0; i < 16; ++i)
-      idx[4 * i] = idx[4 * i + 1] = static_cast<uint8_t>(i), idx[4 * i + 2] = idx[4 * i + 3] = static_cast<uint8_t>(32 + i);
+      for (int k = 0; k < 4; ++k) idx[4 * i + k] = static_cast<uint8_t>(k < 2 ? i : 32 + i);
     return _mm512_load_si512(idx);
   }();
   const __m512i sixteen = _mm512_set1_epi8(16), low = _mm512_set1_epi8(0x0F);
@@ -1366,10 +1411,13 @@ inline void dpwssd_pairs_any(const __m512i* pairs, const int16_t* w16, int64_t n
   }
 }
 
+constexpr int64_t VALUES_AHEAD = 64;  // the value phase prefetches the codes of the positions this far on
+
 // weigh_int_values' sums by vpdpwssd: part_i[2..] += dw_i * (integer sums) + bias_i
 template <int BITS>
-void weigh_values_512(const uint8_t* const* rows, int64_t n, int64_t d, const std::vector<int64_t>& active,
-                      const float* weights, const float* bias, float* part, int64_t stride) {
+void weigh_values_512(const uint8_t* const* rows, int64_t n, int64_t ahead, int64_t d,
+                      const std::vector<int64_t>& active, const float* weights, const float* bias, float* part,
+                      int64_t stride) {
   alignas(64) static const uint8_t zeros[256] = {};  // the partner of a last token alone (weight 0)
   int64_t regs = d / 16, even = (n + 1) / 2 * 2, nv = active.size();
   thread_local std::vector<int16_t> w16;
@@ -1382,6 +1430,9 @@ void weigh_values_512(const uint8_t* const* rows, int64_t n, int64_t d, const st
   pairs.resize(PAIRS_AT_ONCE * regs);
   for (int64_t p0 = 0; p0 < n; p0 += 2 * PAIRS_AT_ONCE) {
     int64_t m = std::min(2 * PAIRS_AT_ONCE, n - p0), np = (m + 1) / 2;
+    int64_t fetch_to = values_fetch_own(BITS, d) ? std::min(n + ahead, p0 + VALUES_AHEAD + m) : 0;
+    for (int64_t r = p0 + VALUES_AHEAD; r < fetch_to; ++r)  // (the next tile's first rows too)
+      prefetch_span(rows[r], rows[r] + d * BITS / 8, _MM_HINT_T0);
     for (int64_t r = 0; r < np; ++r)
       pair_codes<BITS>(rows[p0 + 2 * r], 2 * r + 1 < m ? rows[p0 + 2 * r + 1] : zeros, d, pairs.data() + r * regs);
     for (int64_t v = 0; v < nv; ++v)
@@ -1403,10 +1454,11 @@ void weigh_values_512(const uint8_t* const* rows, int64_t n, int64_t d, const st
 // every active vector's values over the codes of [qstart, qstart + n): weights (float, [active][n_even], zeros past
 // a vector's last key) -> part_i[2..] += dw_i * (integer sums) + bias_i
 template <int BITS>
-inline void weigh_int_values(const uint8_t* const* rows, int64_t n, int64_t d, const std::vector<int64_t>& active,
-                              const float* weights, const float* bias, float* part, int64_t stride) {
+inline void weigh_int_values(const uint8_t* const* rows, int64_t n, int64_t ahead, int64_t d,
+                             const std::vector<int64_t>& active, const float* weights, const float* bias, float* part,
+                             int64_t stride) {
 #ifdef KVSCOPE_KV512
-  if (kv512_values(BITS, d)) return weigh_values_512<BITS>(rows, n, d, active, weights, bias, part, stride);
+  if (kv512_values(BITS, d)) return weigh_values_512<BITS>(rows, n, ahead, d, active, weights, bias, part, stride);
 #endif
   int64_t dp = padded_channels(d), regs = dp / 8, even = (n + 1) / 2 * 2, nv = active.size();
   thread_local std::vector<int16_t> w16;
@@ -1486,27 +1538,24 @@ constexpr int64_t PREFETCH_AHEAD = 64;
 
 inline int64_t key_param_bytes(int bits, int64_t d) { return bits == 8 ? 2 * d : 2 * d + 4; }
 
-inline void prefetch_span(const void* from, const void* to, int hint) {
-#ifdef KVSCOPE_AVX2
-  auto* p = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(from) & ~uintptr_t{63});  // whole lines
-  for (; p < static_cast<const char*>(to); p += 64)
-    hint == _MM_HINT_T0 ? _mm_prefetch(p, _MM_HINT_T0) : _mm_prefetch(p, _MM_HINT_T1);
-#endif
-}
 
 // the codes and scales of positions [a, b), a block (one set of key scales, adjacent rows of `bytes`) at a time
 template <int BITS>
 inline void prefetch_codes(const QuantRows<BITS>& keys, const QuantRows<BITS>& values, int64_t a, int64_t b,
-                           int64_t bytes, int64_t d) {
+                           int64_t bytes, int64_t d, Prefetches* later = nullptr) {
+  auto fetch = [&](const void* from, const void* to) {  // now, or queued in `later`
+    if (later) later->add(from, to);
+    else prefetch_span(from, to, _MM_HINT_T0);
+  };
   b = std::min(b, keys.known);
   for (int64_t s = a, e = a; s < b; s = e) {
     const uint16_t* prm = keys.param[s - keys.first];
     while (e < b && keys.param[e - keys.first] == prm) ++e;
     int64_t n = e - s;
-    prefetch_span(keys.code[s - keys.first], keys.code[s - keys.first] + n * bytes, _MM_HINT_T0);
-    prefetch_span(prm, reinterpret_cast<const char*>(prm) + key_param_bytes(BITS, d), _MM_HINT_T0);
-    prefetch_span(values.code[s - values.first], values.code[s - values.first] + n * bytes, _MM_HINT_T0);
-    prefetch_span(values.param[s - values.first], values.param[e - 1 - values.first] + 1, _MM_HINT_T0);
+    fetch(keys.code[s - keys.first], keys.code[s - keys.first] + n * bytes);
+    fetch(prm, reinterpret_cast<const char*>(prm) + key_param_bytes(BITS, d));
+    if (!values_fetch_own(BITS, d)) fetch(values.code[s - values.first], values.code[s - values.first] + n * bytes);
+    fetch(values.param[s - values.first], values.param[e - 1 - values.first] + 1);
   }
 }
 
@@ -1514,10 +1563,12 @@ inline void prefetch_codes(const QuantRows<BITS>& keys, const QuantRows<BITS>& v
 // codes widened to int16 once
 template <int BITS>
 inline void score_int_block(const float* q, const uint8_t* const* code, const uint16_t* prm, const int64_t* last,
-                             int64_t nq, int64_t d, int64_t s, int64_t e, int64_t k0, float* scores, int64_t padded) {
+                             int64_t nq, int64_t d, int64_t s, int64_t e, int64_t k0, float* scores, int64_t padded,
+                            Prefetches* ahead) {
 #ifdef KVSCOPE_KV512
-  if (kv512_keys(BITS, d)) return score_block_512_any<BITS>(q, code, prm, last, nq, d, s, e, k0, scores, padded);
+  if (kv512_keys(BITS, d)) return score_block_512_any<BITS>(q, code, prm, last, nq, d, s, e, k0, scores, padded, ahead);
 #endif
+  ahead->issue(ahead->left());
 #ifdef KVSCOPE_AVX2
   thread_local std::vector<float> qs;
   thread_local std::vector<uint8_t> unpacked;
@@ -1567,10 +1618,16 @@ void score_quantized(const float* q, const QuantRows<BITS>& keys, const QuantRow
     const uint16_t* prm = keys.param[s - keys.first];
     while (e < qend && keys.param[e - keys.first] == prm) ++e;
     if (s == qstart) prefetch_codes(keys, values, s, s + PREFETCH_AHEAD, d * BITS / 8, d);
-    prefetch_codes(keys, values, s + PREFETCH_AHEAD, e + PREFETCH_AHEAD, d * BITS / 8, d);
+    thread_local Prefetches ahead;  // the lines of the positions PREFETCH_AHEAD on, issued while the block is scored
+    ahead.clear();
+    if (values_fetch_own(BITS, d))  // int8: spread over the block (int4's fewer lines: at once, measured faster)
+      prefetch_codes(keys, values, s + PREFETCH_AHEAD, e + PREFETCH_AHEAD, d * BITS / 8, d, &ahead);
+    else
+      prefetch_codes(keys, values, s + PREFETCH_AHEAD, e + PREFETCH_AHEAD, d * BITS / 8, d);
     const uint8_t* const* code = keys.code + (s - keys.first);
-    if constexpr (INTEGER) score_int_block<BITS>(q, code, prm, last, nq, d, s, e, k0, scores, padded);
-    else score_block_floats<BITS>(q, code, prm, last, nq, d, s, e, k0, scores, padded);
+    if constexpr (INTEGER) score_int_block<BITS>(q, code, prm, last, nq, d, s, e, k0, scores, padded, &ahead);
+    else ahead.issue(ahead.left()), score_block_floats<BITS>(q, code, prm, last, nq, d, s, e, k0, scores, padded);
+    ahead.issue(ahead.left());
   }
 }
 
@@ -1613,8 +1670,11 @@ inline void value_params(const uint16_t* const* params, int64_t n, float* scale,
       _mm256_storeu_ps(scale + p, halves8(at));
     } else {
       __m256 a = halves8(at), b = halves8(at + 8);  // s0 m0 s1 m1 .. s3 m3, then s4 m4 .. s7 m7
-      _mm256_storeu_ps(scale + p, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8)));
-      _mm256_storeu_ps(minimum + p, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8)));
+      auto in_order = [](__m256 x) {  // 64-bit lanes 0 2 1 3 -> 0 1 2 3
+        return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(x), 0xD8));
+      };
+      _mm256_storeu_ps(scale + p, in_order(_mm256_shuffle_ps(a, b, 0x88)));    // s0 s1 s4 s5 | s2 s3 s6 s7
+      _mm256_storeu_ps(minimum + p, in_order(_mm256_shuffle_ps(a, b, 0xDD)));
     }
   }
 #endif
@@ -1647,7 +1707,8 @@ void weigh_quantized(const float* scores, int64_t padded, const QuantRows<BITS>&
   const uint8_t* const* rows = values.code + (qstart - values.first);
 #ifdef KVSCOPE_AVX2
   if constexpr (KVSCOPE_INT_DOTS)
-    return weigh_int_values<BITS>(rows, upto, d, active, weights.data(), bias.data(), part, stride);
+    return weigh_int_values<BITS>(rows, upto, values.known - qstart - upto, d, active, weights.data(), bias.data(),
+                                  part, stride);
   for (size_t a = 0; a < active.size(); a += 3) {  // three vectors at a time: 12 accumulators of 8 lanes
     const float* w[3];
     float* out[3];
