@@ -1223,8 +1223,9 @@ void score_block_512(const float* q, const uint8_t* const* code, const uint16_t*
   int each = static_cast<int>((ahead->left() + chunks * (nq + 1)) / (chunks * (nq + 1) + 1));  // a share a step
   alignas(64) float sc[256], mn[256];
   __m512i quads[64];
-  thread_local std::vector<QueryParts> parts;
-  parts.resize(nq);
+  QueryParts few[8];  // a decode row's vectors on the stack: a thread_local costs a call into the loader
+  thread_local std::vector<QueryParts> many;
+  QueryParts* parts = nq <= 8 ? few : (many.resize(nq), many.data());
   key_params_f32<BITS, D16>(prm, d, sc, mn);
   const float* qv[4];
   QueryParts* out[4];
@@ -1643,12 +1644,13 @@ void score_quantized(const float* q, const QuantRows<BITS>& keys, const QuantRow
                      int64_t nq, int64_t d, int64_t k0, int64_t qstart, int64_t qend, float* scores, int64_t padded) {
   constexpr bool INTEGER = KVSCOPE_INT_DOTS;
   LaterRows later = later_rows(keys, k0, qstart);
+  Prefetches ahead;  // the lines of the positions PREFETCH_AHEAD on, issued while a block is scored (on the stack:
+                     // a thread_local's address is a call into the loader, which the compiler repeats in loops)
   for (int64_t s = qstart, e = qstart; s < qend; s = e) {
     const uint16_t* prm = keys.param[s - keys.first];
     while (e < qend && keys.param[e - keys.first] == prm) ++e;
     later.fetch(keys, values, d, (e - qstart) * later.count() / (qend - qstart));
     if (s == qstart) prefetch_codes(keys, values, s, s + PREFETCH_AHEAD, d * BITS / 8, d);
-    thread_local Prefetches ahead;  // the lines of the positions PREFETCH_AHEAD on, issued while the block is scored
     ahead.clear();
     if (values_fetch_own(BITS, d))  // int8: spread over the block (int4's fewer lines: at once, measured faster)
       prefetch_codes(keys, values, s + PREFETCH_AHEAD, e + PREFETCH_AHEAD, d * BITS / 8, d, &ahead);
@@ -1779,13 +1781,11 @@ void attend_tile(const float* q, float* part, const QuantRows<BITS>& keys, const
   // full-precision rows: the sink's [k0, qstart), the window's [qend, k1), each scored in position order
   window_k.resize(n);
   window_v.resize(n);
-  for (int64_t p = k0; p < qstart; ++p) {
-    window_k[p - k0] = keys.sink_rows + p * d;
-    window_v[p - k0] = values.sink_rows + p * d;
-  }
+  const float **wk = window_k.data(), **wv = window_v.data();  // (a thread_local's address is a call in a loop)
+  for (int64_t p = k0; p < qstart; ++p) wk[p - k0] = keys.sink_rows + p * d, wv[p - k0] = values.sink_rows + p * d;
   for (int64_t p = qend; p < k1; ++p) {
-    window_k[p - k0] = keys.window + (p % keys.ring) * d;
-    window_v[p - k0] = values.window + (p % values.ring) * d;
+    wk[p - k0] = keys.window + (p % keys.ring) * d;
+    wv[p - k0] = values.window + (p % values.ring) * d;
   }
   for (auto [a, b] : {std::pair{k0, qstart}, std::pair{qend, k1}})  // a row's group of vectors at once
     for (int64_t r = 0; r < rows; ++r) {
@@ -2082,6 +2082,10 @@ struct QuantStores {
     int64_t known = std::max<int64_t>(0, std::min(k1 + PREFETCH_AHEAD, full) - k0);  // and the next ones
     k_code.resize(known), v_code.resize(known), k_prm.resize(known), v_prm.resize(known);
     keys.known = values.known = k0 + known;
+    keys.code = k_code.data(), values.code = v_code.data(), keys.param = k_prm.data(), values.param = v_prm.data();
+    // filled through plain pointers: the compiler repeats a thread_local's address lookup (a call) in loops
+    auto kcode = const_cast<const uint8_t**>(keys.code), vcode = const_cast<const uint8_t**>(values.code);
+    auto kprm = const_cast<const uint16_t**>(keys.param), vprm = const_cast<const uint16_t**>(values.param);
     map.each_block(b, std::max(k0, std::min(sink, k0 + quantized)), k0 + known,
                    [&](int64_t p0, int64_t p1, int64_t store, int64_t slot) {
       const uint8_t *kc = k.at(store, h, slot), *vc = v.at(store, h, slot);
@@ -2089,11 +2093,10 @@ struct QuantStores {
       auto vp = reinterpret_cast<const uint16_t*>(v_param.at(store, h, slot));
       int64_t ks = k.slot_stride[store], vs = v.slot_stride[store], ps = v_param.slot_stride[store];
       for (int64_t p = p0; p < p1; ++p) {
-        k_code[p - k0] = kc + (p - p0) * ks, v_code[p - k0] = vc + (p - p0) * vs;
-        k_prm[p - k0] = kp, v_prm[p - k0] = vp + (p - p0) * ps;
+        kcode[p - k0] = kc + (p - p0) * ks, vcode[p - k0] = vc + (p - p0) * vs;
+        kprm[p - k0] = kp, vprm[p - k0] = vp + (p - p0) * ps;
       }
     });
-    keys.code = k_code.data(), values.code = v_code.data(), keys.param = k_prm.data(), values.param = v_prm.data();
     return {keys, values};
   }
 };
