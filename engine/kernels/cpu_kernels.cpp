@@ -839,6 +839,34 @@ inline void prefetch_row(const void* key, const void* value, int64_t bytes) {
 #endif
 }
 
+// the lines of [from, to) into L1 (hint _MM_HINT_T0) or L2
+inline void prefetch_span(const void* from, const void* to, int hint) {
+#ifdef KVSCOPE_AVX2
+  auto* p = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(from) & ~uintptr_t{63});  // whole lines
+  for (; p < static_cast<const char*>(to); p += 64)
+    hint == _MM_HINT_T0 ? _mm_prefetch(p, _MM_HINT_T0) : _mm_prefetch(p, _MM_HINT_T1);
+#endif
+}
+
+// lines to prefetch into L1, issued a few at a time between a block's computations: int8's whole block of lines at
+// once (19 and more) would fill the line fill buffers and stall the loads behind them
+struct Prefetches {
+  static constexpr int MAX = 128;
+  std::array<const char*, MAX> line{};
+  int n = 0, next = 0;
+  void add(const void* from, const void* to) {
+    auto* p = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(from) & ~uintptr_t{63});
+    for (; p < static_cast<const char*>(to) && n < MAX; p += 64) line[n++] = p;
+  }
+  void issue(int count) {
+#ifdef KVSCOPE_AVX2
+    for (int end = std::min(n, next + count); next < end; ++next) _mm_prefetch(line[next], _MM_HINT_T0);
+#endif
+  }
+  int left() const { return n - next; }
+  void clear() { n = next = 0; }
+};
+
 #ifdef KVSCOPE_AVX2
 // the lane sums of four accumulators -> [sum a0, sum a1, sum a2, sum a3]
 inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
@@ -1009,6 +1037,23 @@ inline void weigh_group(const float* e, int64_t padded, int64_t count, const T* 
 #endif
 }
 
+// the largest of s[0..n), n >= 1 (max is exact, so any order gives std::max_element's value)
+inline float row_max(const float* s, int64_t n) {
+  float mx = s[0];
+  int64_t p = 0;
+#ifdef KVSCOPE_AVX2
+  if (n >= 8) {
+    __m256 m = _mm256_loadu_ps(s);
+    for (p = 8; p + 8 <= n; p += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + p));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m);
+    mx = *std::max_element(lanes, lanes + 8);
+  }
+#endif
+  for (; p < n; ++p) mx = std::max(mx, s[p]);
+  return mx;
+}
+
 // each vector's partial: its maximum score, the softmax weights in place of its scores (and their sum), and
 // zeroed values to accumulate into; a vector with no key in the tile (last < 0) keeps -inf and 0
 inline void start_partials(float* part, float* scores, const int64_t* last, int64_t nq, int64_t padded, int64_t d) {
@@ -1019,7 +1064,7 @@ inline void start_partials(float* part, float* scores, const int64_t* last, int6
     std::fill_n(pi + 2, d, 0.f);
     if (last[i] < 0) continue;
     float* si = scores + i * padded;
-    pi[0] = *std::max_element(si, si + last[i] + 1);
+    pi[0] = row_max(si, last[i] + 1);
     pi[1] = softmax_row(si, last[i], padded, pi[0]);
   }
 }
@@ -1082,6 +1127,7 @@ struct QuantRows {
   const uint16_t* const* param = nullptr;  // keys: the block's [D] scales (int4: then [D] minimums); values: the
                                            // token's scale (int4: then its minimum)
   int64_t known = 0;  // code and param cover [first, known): the tile's codes and the next ones, to prefetch
+  int64_t end = 0;    // the sequence's length: the window holds [full, end)
   const float* window = nullptr;       // [ring, D] rows
 };
 
@@ -1291,6 +1337,202 @@ inline void score_codes(const int16_t* codes, int64_t n, int64_t dp, const int16
   }
 }
 
+#endif
+
+#if defined(KVSCOPE_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define KVSCOPE_KV512 1
+// ---- AVX-512 (VNNI, VBMI): the same sums, 16 tokens or channels a register, fewer instructions a token.
+// Keys: 16 rows of codes are transposed in registers so that a 32-bit lane holds four channels of one token; the
+// query, q * scale per channel on a 15-bit grid per block, is split in two int8 parts (x = 256 hi + lo), and
+// vpdpbusd sums codes (unsigned: int4 as they are, int8 plus 128) times each part: 16 tokens' exact int32 sums in
+// one register, no horizontal sums. Values: two tokens' codes per channel as int16 pairs meet the pair's weights
+// in vpdpwssd (exact int32 sums, as the AVX2 path's madd). Every sum is exact, so the order is free.
+constexpr int64_t TOKENS_512 = 16;  // tokens a register of scores holds
+
+inline bool kv512_keys(int bits, int64_t d) { return d <= 256 && d % (bits == 4 ? 32 : 16) == 0; }
+inline bool kv512_values(int bits, int64_t d) { return d <= 256 && d % (bits == 4 ? 64 : 32) == 0; }
+
+// a block's key scales (and int4 minimums) as floats, [D] each, shared by every vector of the tile
+template <int BITS, int D16>
+inline void key_params_f32(const uint16_t* param, int64_t d_, float* sc, float* mn) {
+  const int64_t d = D16 ? D16 * 16 : d_;
+  auto bytes = reinterpret_cast<const uint8_t*>(param);
+  auto [s_super, m_super] = BITS == 4 ? int4_supers(param, d) : std::pair<float, float>{0.f, 0.f};
+  for (int64_t j = 0; j < d; j += 16) {
+    if constexpr (BITS == 8) {
+      _mm512_storeu_ps(sc + j, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(param + j))));
+    } else {
+      __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + j));
+      __m128i m8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + d + j));
+      _mm512_storeu_ps(sc + j, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(s8)), _mm512_set1_ps(s_super)));
+      _mm512_storeu_ps(mn + j, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(m8)), _mm512_set1_ps(m_super)));
+    }
+  }
+}
+
+struct QueryParts {  // a vector against one block: x = q * scale ~ dq * (256 hi + lo), hi and lo int8 [D]
+  alignas(64) int8_t hi[256], lo[256];
+  float dq, bias;  // bias: q . min (int4), 0 (int8)
+  int32_t offset;  // int8: 128 * sum of (256 hi + lo), what the codes' +128 adds to the sums
+};
+
+// the horizontal maxima (MAX) or sums of four registers -> lanes 0..3, in one fixed order
+template <bool MAX>
+inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  auto op = [](__m512 x, __m512 y) { return MAX ? _mm512_max_ps(x, y) : _mm512_add_ps(x, y); };
+  auto pd = [](__m512 x) { return _mm512_castps_pd(x); };
+  __m512 t0 = op(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));  // a 128-bit lane: a0 a1 a0 a1
+  __m512 t1 = op(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));  // a2 a3 a2 a3
+  __m512 u = op(_mm512_castpd_ps(_mm512_unpacklo_pd(pd(t0), pd(t1))),
+                _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t0), pd(t1))));  // a0 a1 a2 a3
+  u = op(u, _mm512_shuffle_f32x4(u, u, 0x4E));
+  return _mm512_castps512_ps128(op(u, _mm512_shuffle_f32x4(u, u, 0xB1)));
+}
+
+// up to four vectors q[v] against one block (scales sc, int4 minimums mn, as floats): their QueryParts
+template <int BITS, int D16>
+inline void query_parts(const float* const* q, int nv, const float* sc, const float* mn, int64_t d_,
+                        QueryParts* const* out) {
+  const int64_t d = D16 ? D16 * 16 : d_;
+  alignas(64) float x[4][256];
+  __m512 amax[4], b[4];
+  for (int v = 0; v < 4; ++v) amax[v] = b[v] = _mm512_setzero_ps();
+  for (int v = 0; v < nv; ++v)
+    for (int64_t j = 0; j < d; j += 16) {
+      __m512 qj = _mm512_loadu_ps(q[v] + j), xj = _mm512_mul_ps(qj, _mm512_loadu_ps(sc + j));
+      _mm512_store_ps(x[v] + j, xj);
+      amax[v] = _mm512_max_ps(amax[v], _mm512_abs_ps(xj));
+      if constexpr (BITS == 4) b[v] = _mm512_fmadd_ps(qj, _mm512_loadu_ps(mn + j), b[v]);
+    }
+  alignas(16) float top[4], bias[4];
+  _mm_store_ps(top, reduce4<true>(amax[0], amax[1], amax[2], amax[3]));
+  _mm_store_ps(bias, reduce4<false>(b[0], b[1], b[2], b[3]));
+  for (int v = 0; v < nv; ++v) {
+    const __m512 vinv = _mm512_set1_ps(top[v] > 0.f ? 32512.f / top[v] : 0.f);  // |x| <= 127.5 * 256
+    __m512i total = _mm512_setzero_si512();
+    for (int64_t j = 0; j < d; j += 16) {
+      __m512i xi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(x[v] + j), vinv));
+      __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(xi, _mm512_set1_epi32(128)), 8);  // -127..127
+      __m512i lo = _mm512_sub_epi32(xi, _mm512_slli_epi32(hi, 8));                       // -128..127
+      _mm_store_si128(reinterpret_cast<__m128i*>(out[v]->hi + j), _mm512_cvtepi32_epi8(hi));
+      _mm_store_si128(reinterpret_cast<__m128i*>(out[v]->lo + j), _mm512_cvtepi32_epi8(lo));
+      total = _mm512_add_epi32(total, xi);
+    }
+    out[v]->dq = top[v] / 32512.f;
+    out[v]->bias = BITS == 4 ? bias[v] : 0.f;
+    out[v]->offset = BITS == 8 ? 128 * _mm512_reduce_add_epi32(total) : 0;
+  }
+}
+
+// rows[0..16) (row bytes `bytes`, a multiple of 16) -> quads[g]: channels 4g..4g+3 of the 16 tokens, one token a
+// 32-bit lane, as unsigned bytes (int4: the codes; int8: code + 128); D / 4 registers
+template <int BITS, int D16>
+inline void transpose_codes(const uint8_t* const* rows, int64_t bytes_, __m512i* quads) {
+  const int64_t bytes = D16 ? D16 * 2 * BITS : bytes_;
+  const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  int64_t dwords = bytes / 4;
+  for (int64_t c = 0; c < bytes; c += 16) {
+    __m512i z[4];  // z[i], 128-bit lane L: bytes c..c+15 of row 4L + i
+    for (int i = 0; i < 4; ++i) {
+      auto at = [&](int r) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[r] + c)); };
+      z[i] = _mm512_castsi128_si512(at(i));
+      z[i] = _mm512_inserti32x4(z[i], at(4 + i), 1);
+      z[i] = _mm512_inserti32x4(z[i], at(8 + i), 2);
+      z[i] = _mm512_inserti32x4(z[i], at(12 + i), 3);
+    }
+    __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+    __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+    __m512i o[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2), _mm512_unpacklo_epi64(t1, t3),
+                    _mm512_unpackhi_epi64(t1, t3)};  // o[k]: dword c / 4 + k of the 16 rows
+    for (int k = 0; k < 4; ++k) {
+      int64_t g = c / 4 + k;
+      if constexpr (BITS == 4) {
+        quads[g] = _mm512_and_si512(o[k], low);  // channels 4g.. (low nibbles), half + 4g.. (high)
+        quads[dwords + g] = _mm512_and_si512(_mm512_srli_epi16(o[k], 4), low);
+      } else {
+        quads[g] = _mm512_xor_si512(o[k], flip);
+      }
+    }
+  }
+}
+
+// 16 tokens' scores for one vector: dq * (codes . (256 hi + lo) - offset) + bias, from transpose_codes' quads
+template <int D16>
+inline __m512 score_quads(const __m512i* quads, int64_t d_, const QueryParts& qp) {
+  const int64_t d = D16 ? D16 * 16 : d_;
+  __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;  // two chains a part
+  auto hi = reinterpret_cast<const int32_t*>(qp.hi);
+  auto lo = reinterpret_cast<const int32_t*>(qp.lo);
+  for (int64_t g = 0; g < d / 4; g += 2) {
+    h0 = _mm512_dpbusd_epi32(h0, quads[g], _mm512_set1_epi32(hi[g]));
+    l0 = _mm512_dpbusd_epi32(l0, quads[g], _mm512_set1_epi32(lo[g]));
+    h1 = _mm512_dpbusd_epi32(h1, quads[g + 1], _mm512_set1_epi32(hi[g + 1]));
+    l1 = _mm512_dpbusd_epi32(l1, quads[g + 1], _mm512_set1_epi32(lo[g + 1]));
+  }
+  __m512i sums = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), _mm512_add_epi32(l0, l1));
+  sums = _mm512_sub_epi32(sums, _mm512_set1_epi32(qp.offset));
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(qp.dq), _mm512_set1_ps(qp.bias));
+}
+
+// score_int_block's sums, 16 tokens at a time: the scores of every vector against one block [s, e); D16: d / 16
+// where known when compiled (the loops unrolled, a block's parameters and query in registers), else 0
+template <int BITS, int D16>
+void score_block_512(const float* q, const uint8_t* const* code, const uint16_t* prm, const int64_t* last,
+                     int64_t nq, int64_t d, int64_t s, int64_t e, int64_t k0, float* scores, int64_t padded,
+                     Prefetches* ahead) {
+  int64_t chunks = (e - s + TOKENS_512 - 1) / TOKENS_512;
+  int each = static_cast<int>((ahead->left() + chunks * (nq + 1)) / (chunks * (nq + 1) + 1));  // a share a step
+  alignas(64) float sc[256], mn[256];
+  __m512i quads[64];
+  QueryParts few[8];  // a decode row's vectors on the stack: a thread_local costs a call into the loader
+  thread_local std::vector<QueryParts> many;
+  QueryParts* parts = nq <= 8 ? few : (many.resize(nq), many.data());
+  key_params_f32<BITS, D16>(prm, d, sc, mn);
+  const float* qv[4];
+  QueryParts* out[4];
+  int nv = 0;
+  for (int64_t i = 0; i < nq; ++i) {  // the vectors that see the block, four at a time
+    if (s - k0 <= last[i]) qv[nv] = q + i * d, out[nv++] = &parts[i];
+    if (nv == 4 || (i == nq - 1 && nv)) query_parts<BITS, D16>(qv, nv, sc, mn, d, out), nv = 0;
+  }
+  ahead->issue(each);
+  for (int64_t c = s; c < e; c += TOKENS_512) {
+    int64_t n = std::min(TOKENS_512, e - c);
+    const uint8_t* rows[TOKENS_512];  // a last chunk of fewer reads its last row again; those scores are dropped
+    for (int64_t r = 0; r < TOKENS_512; ++r) rows[r] = code[std::min(c + r, e - 1) - s];
+    transpose_codes<BITS, D16>(rows, d * BITS / 8, quads);
+    ahead->issue(each);
+    for (int64_t i = 0; i < nq; ++i) {
+      if (c - k0 <= last[i])
+        _mm512_mask_storeu_ps(scores + i * padded + c - k0, static_cast<__mmask16>((1u << n) - 1),
+                              score_quads<D16>(quads, d, parts[i]));
+      ahead->issue(each);
+    }
+  }
+}
+
+template <int BITS>
+void score_block_512_any(const float* q, const uint8_t* const* code, const uint16_t* prm, const int64_t* last,
+                         int64_t nq, int64_t d, int64_t s, int64_t e, int64_t k0, float* scores, int64_t padded,
+                         Prefetches* ahead) {
+  if (d == 64) return score_block_512<BITS, 4>(q, code, prm, last, nq, d, s, e, k0, scores, padded, ahead);
+  if (d == 128) return score_block_512<BITS, 8>(q, code, prm, last, nq, d, s, e, k0, scores, padded, ahead);
+  score_block_512<BITS, 0>(q, code, prm, last, nq, d, s, e, k0, scores, padded, ahead);
+}
+
+#endif
+
+// whether the value phase prefetches its own codes (AVX-512: as it reads them, a steady distance ahead)
+inline bool values_fetch_own(int bits, int64_t d) {
+#ifdef KVSCOPE_KV512
+  return bits == 8 && kv512_values(bits, d);
+#else
+  return false;
+#endif
+}
+
+#ifdef KVSCOPE_AVX2
 // ---- int4 values by integer products: each vector's weights w_p = e_p * scale_p (its softmax weight times the
 // token's value scale) go onto one int16 grid per tile, w ~ dw * w16 (dw = max w / 32767: 15 bits of the largest);
 // the codes of two tokens are interleaved as int16 pairs per channel, so one madd gives w16_p c_p + w16_p+1 c_p+1,
@@ -1369,11 +1611,119 @@ inline float weights_int16(const float* w, int64_t n, int16_t* w16) {
   return wmax / 32767.f;
 }
 
+#endif
+
+#ifdef KVSCOPE_KV512
+// the codes of tokens a and b (row bytes d * BITS / 8) -> d / 16 registers of int16 pairs (a_j, b_j), 16 channels
+// each: per 32 bytes of a row, int4 channels [c, c + 16), [c + 16, c + 32), [half + c, ..), [half + c + 16, ..);
+// int8 channels [c, c + 16), [c + 16, c + 32)
+template <int BITS>
+inline void pair_codes(const uint8_t* a, const uint8_t* b, int64_t d, __m512i* out) {
+  static const __m512i place = [] {  // byte 4i: a's byte i, byte 4i + 2: b's (which sits 32 bytes on)
+    alignas(64) uint8_t idx[64];
+    for (int i = 0; i < 16; ++i)
+      for (int k = 0; k < 4; ++k) idx[4 * i + k] = static_cast<uint8_t>(k < 2 ? i : 32 + i);
+    return _mm512_load_si512(idx);
+  }();
+  const __m512i sixteen = _mm512_set1_epi8(16), low = _mm512_set1_epi8(0x0F);
+  constexpr __mmask64 EVEN = 0x5555555555555555ull, ODD = 0xAAAAAAAAAAAAAAAAull;
+  for (int64_t c = 0; c < d * BITS / 8; c += 32) {
+    __m512i src = _mm512_inserti64x4(_mm512_castsi256_si512(load256(a + c)), load256(b + c), 1);
+    __m512i lo = _mm512_and_si512(src, low), hi = _mm512_and_si512(_mm512_srli_epi16(src, 4), low);
+    for (int m = 0; m < 2; ++m) {
+      __m512i idx = m ? _mm512_add_epi8(place, sixteen) : place;
+      if constexpr (BITS == 4) {
+        *out++ = _mm512_maskz_permutexvar_epi8(EVEN, idx, lo);
+        *out++ = _mm512_maskz_permutexvar_epi8(EVEN, idx, hi);
+      } else {
+        *out++ = _mm512_srai_epi16(_mm512_maskz_permutexvar_epi8(ODD, idx, src), 8);  // the code in the high byte
+      }
+    }
+  }
+}
+
+// the first channel of register r of pair_codes' output
+inline int64_t pair_channel(int bits, int64_t r, int64_t d) {
+  if (bits == 4) return r / 4 * 32 + (r % 4) / 2 * 16 + (r % 2) * (d / 2);
+  return r * 16;
+}
+
+// acc (R registers in pair_codes' order) += the n pairs' codes times their weights (w16[2r], w16[2r + 1])
+template <int R>
+inline void dpwssd_pairs(const __m512i* pairs, const int16_t* w16, int64_t n, __m512i* acc) {
+  __m512i a[R];
+  for (int k = 0; k < R; ++k) a[k] = acc[k];
+  for (int64_t r = 0; r < n; ++r) {
+    int32_t two;
+    std::memcpy(&two, w16 + 2 * r, sizeof two);
+    __m512i w = _mm512_set1_epi32(two);
+    for (int k = 0; k < R; ++k) a[k] = _mm512_dpwssd_epi32(a[k], pairs[r * R + k], w);
+  }
+  for (int k = 0; k < R; ++k) acc[k] = a[k];
+}
+
+inline void dpwssd_pairs_any(const __m512i* pairs, const int16_t* w16, int64_t n, int64_t regs, __m512i* acc) {
+  switch (regs) {  // d / 16: int4 4, 8, 12, 16; int8 any even number up to 16
+    case 2: return dpwssd_pairs<2>(pairs, w16, n, acc);
+    case 4: return dpwssd_pairs<4>(pairs, w16, n, acc);
+    case 6: return dpwssd_pairs<6>(pairs, w16, n, acc);
+    case 8: return dpwssd_pairs<8>(pairs, w16, n, acc);
+    case 10: return dpwssd_pairs<10>(pairs, w16, n, acc);
+    case 12: return dpwssd_pairs<12>(pairs, w16, n, acc);
+    case 14: return dpwssd_pairs<14>(pairs, w16, n, acc);
+    default: return dpwssd_pairs<16>(pairs, w16, n, acc);
+  }
+}
+
+constexpr int64_t VALUES_AHEAD = 64;  // the value phase prefetches the codes of the positions this far on
+
+// weigh_int_values' sums by vpdpwssd: part_i[2..] += dw_i * (integer sums) + bias_i
+template <int BITS>
+void weigh_values_512(const uint8_t* const* rows, int64_t n, int64_t ahead, int64_t d,
+                      const std::vector<int64_t>& active, const float* weights, const float* bias, float* part,
+                      int64_t stride) {
+  alignas(64) static const uint8_t zeros[256] = {};  // the partner of a last token alone (weight 0)
+  int64_t regs = d / 16, even = (n + 1) / 2 * 2, nv = active.size();
+  thread_local std::vector<int16_t> w16;
+  thread_local std::vector<float> dw;
+  thread_local std::vector<__m512i> pairs, acc;
+  w16.resize(nv * even);
+  dw.resize(nv);
+  for (int64_t v = 0; v < nv; ++v) dw[v] = weights_int16(weights + v * even, even, w16.data() + v * even);
+  acc.assign(nv * regs, _mm512_setzero_si512());
+  pairs.resize(PAIRS_AT_ONCE * regs);
+  for (int64_t p0 = 0; p0 < n; p0 += 2 * PAIRS_AT_ONCE) {
+    int64_t m = std::min(2 * PAIRS_AT_ONCE, n - p0), np = (m + 1) / 2;
+    int64_t fetch_to = values_fetch_own(BITS, d) ? std::min(n + ahead, p0 + VALUES_AHEAD + m) : 0;
+    for (int64_t r = p0 + VALUES_AHEAD; r < fetch_to; ++r)  // (the next tile's first rows too)
+      prefetch_span(rows[r], rows[r] + d * BITS / 8, _MM_HINT_T0);
+    for (int64_t r = 0; r < np; ++r)
+      pair_codes<BITS>(rows[p0 + 2 * r], 2 * r + 1 < m ? rows[p0 + 2 * r + 1] : zeros, d, pairs.data() + r * regs);
+    for (int64_t v = 0; v < nv; ++v)
+      dpwssd_pairs_any(pairs.data(), w16.data() + v * even + p0, np, regs, acc.data() + v * regs);
+  }
+  for (int64_t v = 0; v < nv; ++v) {
+    const __m512 vdw = _mm512_set1_ps(dw[v]), vbias = _mm512_set1_ps(bias[v]);
+    float* out = part + active[v] * stride + 2;
+    for (int64_t r = 0; r < regs; ++r) {
+      float* o = out + pair_channel(BITS, r, d);
+      __m512 x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[v * regs + r]), vdw, _mm512_loadu_ps(o));
+      _mm512_storeu_ps(o, _mm512_add_ps(x, vbias));
+    }
+  }
+}
+#endif
+
+#ifdef KVSCOPE_AVX2
 // every active vector's values over the codes of [qstart, qstart + n): weights (float, [active][n_even], zeros past
 // a vector's last key) -> part_i[2..] += dw_i * (integer sums) + bias_i
 template <int BITS>
-inline void weigh_int_values(const uint8_t* const* rows, int64_t n, int64_t d, const std::vector<int64_t>& active,
-                              const float* weights, const float* bias, float* part, int64_t stride) {
+inline void weigh_int_values(const uint8_t* const* rows, int64_t n, int64_t ahead, int64_t d,
+                             const std::vector<int64_t>& active, const float* weights, const float* bias, float* part,
+                             int64_t stride) {
+#ifdef KVSCOPE_KV512
+  if (kv512_values(BITS, d)) return weigh_values_512<BITS>(rows, n, ahead, d, active, weights, bias, part, stride);
+#endif
   int64_t dp = padded_channels(d), regs = dp / 8, even = (n + 1) / 2 * 2, nv = active.size();
   thread_local std::vector<int16_t> w16;
   thread_local std::vector<float> dw;
@@ -1452,27 +1802,24 @@ constexpr int64_t PREFETCH_AHEAD = 64;
 
 inline int64_t key_param_bytes(int bits, int64_t d) { return bits == 8 ? 2 * d : 2 * d + 4; }
 
-inline void prefetch_span(const void* from, const void* to, int hint) {
-#ifdef KVSCOPE_AVX2
-  auto* p = static_cast<const char*>(from);
-  for (; p < static_cast<const char*>(to); p += 64)
-    hint == _MM_HINT_T0 ? _mm_prefetch(p, _MM_HINT_T0) : _mm_prefetch(p, _MM_HINT_T1);
-#endif
-}
 
 // the codes and scales of positions [a, b), a block (one set of key scales, adjacent rows of `bytes`) at a time
 template <int BITS>
 inline void prefetch_codes(const QuantRows<BITS>& keys, const QuantRows<BITS>& values, int64_t a, int64_t b,
-                           int64_t bytes, int64_t d) {
+                           int64_t bytes, int64_t d, Prefetches* later = nullptr) {
+  auto fetch = [&](const void* from, const void* to) {  // now, or queued in `later`
+    if (later) later->add(from, to);
+    else prefetch_span(from, to, _MM_HINT_T0);
+  };
   b = std::min(b, keys.known);
   for (int64_t s = a, e = a; s < b; s = e) {
     const uint16_t* prm = keys.param[s - keys.first];
     while (e < b && keys.param[e - keys.first] == prm) ++e;
     int64_t n = e - s;
-    prefetch_span(keys.code[s - keys.first], keys.code[s - keys.first] + n * bytes, _MM_HINT_T0);
-    prefetch_span(prm, reinterpret_cast<const char*>(prm) + key_param_bytes(BITS, d), _MM_HINT_T0);
-    prefetch_span(values.code[s - values.first], values.code[s - values.first] + n * bytes, _MM_HINT_T1);
-    prefetch_span(values.param[s - values.first], values.param[e - 1 - values.first] + 1, _MM_HINT_T1);
+    fetch(keys.code[s - keys.first], keys.code[s - keys.first] + n * bytes);
+    fetch(prm, reinterpret_cast<const char*>(prm) + key_param_bytes(BITS, d));
+    if (!values_fetch_own(BITS, d)) fetch(values.code[s - values.first], values.code[s - values.first] + n * bytes);
+    fetch(values.param[s - values.first], values.param[e - 1 - values.first] + 1);
   }
 }
 
@@ -1480,7 +1827,12 @@ inline void prefetch_codes(const QuantRows<BITS>& keys, const QuantRows<BITS>& v
 // codes widened to int16 once
 template <int BITS>
 inline void score_int_block(const float* q, const uint8_t* const* code, const uint16_t* prm, const int64_t* last,
-                             int64_t nq, int64_t d, int64_t s, int64_t e, int64_t k0, float* scores, int64_t padded) {
+                             int64_t nq, int64_t d, int64_t s, int64_t e, int64_t k0, float* scores, int64_t padded,
+                            Prefetches* ahead) {
+#ifdef KVSCOPE_KV512
+  if (kv512_keys(BITS, d)) return score_block_512_any<BITS>(q, code, prm, last, nq, d, s, e, k0, scores, padded, ahead);
+#endif
+  ahead->issue(ahead->left());
 #ifdef KVSCOPE_AVX2
   thread_local std::vector<float> qs;
   thread_local std::vector<uint8_t> unpacked;
@@ -1521,19 +1873,55 @@ void score_block_floats(const float* q, const uint8_t* const* code, const uint16
   }
 }
 
+// The full-precision rows this tile or a later one reads after the codes: at tile 0 the sink's, and at every tile
+// but the last a share of the window's (the last tile reads them): fetched into L2 while the codes are scored, a
+// part each block (measured: the window's float rows came from memory, ~10% of int4's attention)
+struct LaterRows {
+  int64_t sink = 0, w0 = 0, w1 = 0, done = 0;  // positions [0, sink) and [w0, w1); how many are fetched
+  int64_t count() const { return sink + w1 - w0; }
+  template <int BITS>
+  void fetch(const QuantRows<BITS>& keys, const QuantRows<BITS>& values, int64_t d, int64_t upto) {
+    for (; done < upto; ++done) {
+      int64_t p = done < sink ? done : w0 + done - sink;
+      const float* k = p < keys.sink ? keys.sink_rows + p * d : keys.window + (p % keys.ring) * d;
+      const float* v = p < values.sink ? values.sink_rows + p * d : values.window + (p % values.ring) * d;
+      prefetch_span(k, k + d, _MM_HINT_T1);
+      prefetch_span(v, v + d, _MM_HINT_T1);
+    }
+  }
+};
+
+template <int BITS>
+LaterRows later_rows(const QuantRows<BITS>& keys, int64_t k0, int64_t qstart) {
+  LaterRows r;
+  int64_t tiles = (keys.end + KEY_TILE - 1) / KEY_TILE, t = k0 / KEY_TILE, n = keys.end - keys.full;
+  if (k0 == 0) r.sink = std::min(keys.sink, qstart);
+  if (t + 1 < tiles) r.w0 = keys.full + n * t / (tiles - 1), r.w1 = keys.full + n * (t + 1) / (tiles - 1);
+  return r;
+}
+
 // the scores of every vector against the codes of [qstart, qend), block by block (one set of key scales each)
 template <int BITS>
 void score_quantized(const float* q, const QuantRows<BITS>& keys, const QuantRows<BITS>& values, const int64_t* last,
                      int64_t nq, int64_t d, int64_t k0, int64_t qstart, int64_t qend, float* scores, int64_t padded) {
   constexpr bool INTEGER = KVSCOPE_INT_DOTS;
+  LaterRows later = later_rows(keys, k0, qstart);
+  Prefetches ahead;  // the lines of the positions PREFETCH_AHEAD on, issued while a block is scored (on the stack:
+                     // a thread_local's address is a call into the loader, which the compiler repeats in loops)
   for (int64_t s = qstart, e = qstart; s < qend; s = e) {
     const uint16_t* prm = keys.param[s - keys.first];
     while (e < qend && keys.param[e - keys.first] == prm) ++e;
+    later.fetch(keys, values, d, (e - qstart) * later.count() / (qend - qstart));
     if (s == qstart) prefetch_codes(keys, values, s, s + PREFETCH_AHEAD, d * BITS / 8, d);
-    prefetch_codes(keys, values, s + PREFETCH_AHEAD, e + PREFETCH_AHEAD, d * BITS / 8, d);
+    ahead.clear();
+    if (values_fetch_own(BITS, d))  // int8: spread over the block (int4's fewer lines: at once, measured faster)
+      prefetch_codes(keys, values, s + PREFETCH_AHEAD, e + PREFETCH_AHEAD, d * BITS / 8, d, &ahead);
+    else
+      prefetch_codes(keys, values, s + PREFETCH_AHEAD, e + PREFETCH_AHEAD, d * BITS / 8, d);
     const uint8_t* const* code = keys.code + (s - keys.first);
-    if constexpr (INTEGER) score_int_block<BITS>(q, code, prm, last, nq, d, s, e, k0, scores, padded);
-    else score_block_floats<BITS>(q, code, prm, last, nq, d, s, e, k0, scores, padded);
+    if constexpr (INTEGER) score_int_block<BITS>(q, code, prm, last, nq, d, s, e, k0, scores, padded, &ahead);
+    else ahead.issue(ahead.left()), score_block_floats<BITS>(q, code, prm, last, nq, d, s, e, k0, scores, padded);
+    ahead.issue(ahead.left());
   }
 }
 
@@ -1555,6 +1943,38 @@ inline float fold_weights(const float* e, const float* scale, const float* minim
   return tail;
 }
 
+// n tokens' value scales (int4: and minimums) as floats; params[p]: token p's float16 scale (int4: then its
+// minimum), eight at a time where eight tokens' sit side by side (in one block)
+template <int BITS>
+inline void value_params(const uint16_t* const* params, int64_t n, float* scale, float* minimum) {
+  constexpr int64_t STEP = BITS == 4 ? 2 : 1;  // float16 values a token
+  auto one = [&](int64_t p) {
+    scale[p] = half_to_float(params[p][0]);
+    if constexpr (BITS == 4) minimum[p] = half_to_float(params[p][1]);
+  };
+  int64_t p = 0;
+#ifdef KVSCOPE_AVX2
+  for (; p + 8 <= n; p += 8) {
+    const uint16_t* at = params[p];
+    if (params[p + 7] != at + 7 * STEP) {  // across blocks
+      for (int64_t r = p; r < p + 8; ++r) one(r);
+      continue;
+    }
+    if constexpr (BITS == 8) {
+      _mm256_storeu_ps(scale + p, halves8(at));
+    } else {
+      __m256 a = halves8(at), b = halves8(at + 8);  // s0 m0 s1 m1 .. s3 m3, then s4 m4 .. s7 m7
+      auto in_order = [](__m256 x) {  // 64-bit lanes 0 2 1 3 -> 0 1 2 3
+        return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(x), 0xD8));
+      };
+      _mm256_storeu_ps(scale + p, in_order(_mm256_shuffle_ps(a, b, 0x88)));    // s0 s1 s4 s5 | s2 s3 s6 s7
+      _mm256_storeu_ps(minimum + p, in_order(_mm256_shuffle_ps(a, b, 0xDD)));
+    }
+  }
+#endif
+  for (; p < n; ++p) one(p);
+}
+
 // the values of [qstart, qend) weighted by the softmax weights e (a token's scale folded into its weight, its
 // minimum into a bias per vector): part_i[2..] += sum over p of e_i[p] * (scale_p * code_p + min_p)
 template <int BITS>
@@ -1565,11 +1985,7 @@ void weigh_quantized(const float* scores, int64_t padded, const QuantRows<BITS>&
   thread_local std::vector<int64_t> active;
   scale.assign(even, 0.f);
   minimum.assign(even, 0.f);
-  for (int64_t p = 0; p < n; ++p) {
-    const uint16_t* prm = values.param[qstart + p - values.first];
-    scale[p] = half_to_float(prm[0]);
-    if constexpr (BITS == 4) minimum[p] = half_to_float(prm[1]);
-  }
+  value_params<BITS>(values.param + (qstart - values.first), n, scale.data(), minimum.data());
   weights.resize(nq * even);
   bias.resize(nq);
   active.clear();
@@ -1585,7 +2001,8 @@ void weigh_quantized(const float* scores, int64_t padded, const QuantRows<BITS>&
   const uint8_t* const* rows = values.code + (qstart - values.first);
 #ifdef KVSCOPE_AVX2
   if constexpr (KVSCOPE_INT_DOTS)
-    return weigh_int_values<BITS>(rows, upto, d, active, weights.data(), bias.data(), part, stride);
+    return weigh_int_values<BITS>(rows, upto, values.known - qstart - upto, d, active, weights.data(), bias.data(),
+                                  part, stride);
   for (size_t a = 0; a < active.size(); a += 3) {  // three vectors at a time: 12 accumulators of 8 lanes
     const float* w[3];
     float* out[3];
@@ -1626,13 +2043,11 @@ void attend_tile(const float* q, float* part, const QuantRows<BITS>& keys, const
   // full-precision rows: the sink's [k0, qstart), the window's [qend, k1), each scored in position order
   window_k.resize(n);
   window_v.resize(n);
-  for (int64_t p = k0; p < qstart; ++p) {
-    window_k[p - k0] = keys.sink_rows + p * d;
-    window_v[p - k0] = values.sink_rows + p * d;
-  }
+  const float **wk = window_k.data(), **wv = window_v.data();  // (a thread_local's address is a call in a loop)
+  for (int64_t p = k0; p < qstart; ++p) wk[p - k0] = keys.sink_rows + p * d, wv[p - k0] = values.sink_rows + p * d;
   for (int64_t p = qend; p < k1; ++p) {
-    window_k[p - k0] = keys.window + (p % keys.ring) * d;
-    window_v[p - k0] = values.window + (p % values.ring) * d;
+    wk[p - k0] = keys.window + (p % keys.ring) * d;
+    wv[p - k0] = values.window + (p % values.ring) * d;
   }
   for (auto [a, b] : {std::pair{k0, qstart}, std::pair{qend, k1}})  // a row's group of vectors at once
     for (int64_t r = 0; r < rows; ++r) {
@@ -1915,8 +2330,9 @@ struct QuantStores {
     thread_local std::vector<const uint8_t*> k_code, v_code;
     thread_local std::vector<const uint16_t*> k_prm, v_prm;
     QuantRows<BITS> keys, values;
-    int64_t full = quantized_end(upto[b], map.kv_len(b), residual, map.block_size), bs = map.block_size;
+    int64_t end = map.kv_len(b), full = quantized_end(upto[b], end, residual, map.block_size), bs = map.block_size;
     keys.full = values.full = full;
+    keys.end = values.end = end;
     keys.ring = values.ring = ring;
     keys.sink = values.sink = sink;
     keys.sink_rows = k_window.at(b, h, 0);
@@ -1928,6 +2344,10 @@ struct QuantStores {
     int64_t known = std::max<int64_t>(0, std::min(k1 + PREFETCH_AHEAD, full) - k0);  // and the next ones
     k_code.resize(known), v_code.resize(known), k_prm.resize(known), v_prm.resize(known);
     keys.known = values.known = k0 + known;
+    keys.code = k_code.data(), values.code = v_code.data(), keys.param = k_prm.data(), values.param = v_prm.data();
+    // filled through plain pointers: the compiler repeats a thread_local's address lookup (a call) in loops
+    auto kcode = const_cast<const uint8_t**>(keys.code), vcode = const_cast<const uint8_t**>(values.code);
+    auto kprm = const_cast<const uint16_t**>(keys.param), vprm = const_cast<const uint16_t**>(values.param);
     map.each_block(b, std::max(k0, std::min(sink, k0 + quantized)), k0 + known,
                    [&](int64_t p0, int64_t p1, int64_t store, int64_t slot) {
       const uint8_t *kc = k.at(store, h, slot), *vc = v.at(store, h, slot);
@@ -1935,11 +2355,10 @@ struct QuantStores {
       auto vp = reinterpret_cast<const uint16_t*>(v_param.at(store, h, slot));
       int64_t ks = k.slot_stride[store], vs = v.slot_stride[store], ps = v_param.slot_stride[store];
       for (int64_t p = p0; p < p1; ++p) {
-        k_code[p - k0] = kc + (p - p0) * ks, v_code[p - k0] = vc + (p - p0) * vs;
-        k_prm[p - k0] = kp, v_prm[p - k0] = vp + (p - p0) * ps;
+        kcode[p - k0] = kc + (p - p0) * ks, vcode[p - k0] = vc + (p - p0) * vs;
+        kprm[p - k0] = kp, vprm[p - k0] = vp + (p - p0) * ps;
       }
     });
-    keys.code = k_code.data(), values.code = v_code.data(), keys.param = k_prm.data(), values.param = v_prm.data();
     return {keys, values};
   }
 };
