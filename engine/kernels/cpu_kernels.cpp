@@ -292,15 +292,26 @@ inline void with_rows(int64_t m, F f) {
   }
 }
 
+// the start of the cache line that holds p
+inline const char* line_of(const void* p) {
+  return reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63});
+}
+
+// the lines of [from, to) into L1 (hint _MM_HINT_T0) or L2
+inline void prefetch_span(const void* from, const void* to, int hint) {
+#ifdef KVSCOPE_AVX2
+  for (const char* p = line_of(from); p < static_cast<const char*>(to); p += 64)
+    hint == _MM_HINT_T0 ? _mm_prefetch(p, _MM_HINT_T0) : _mm_prefetch(p, _MM_HINT_T1);
+#endif
+}
+
 // the float16 scales and minimums of weight row `row`, a few rows ahead of the one being read (their streams
 // are separate from the codes')
 constexpr int64_t PARAMS_AHEAD = 16;
 inline void prefetch_params(const uint16_t* scales, const uint16_t* minimums, int64_t row, int64_t groups, int64_t n) {
   if (row >= n) return;
-  for (int64_t byte = 0; byte < groups * 2; byte += 64) {
-    __builtin_prefetch(reinterpret_cast<const char*>(scales + row * groups) + byte);
-    if (minimums) __builtin_prefetch(reinterpret_cast<const char*>(minimums + row * groups) + byte);
-  }
+  prefetch_span(scales + row * groups, scales + (row + 1) * groups, _MM_HINT_T0);
+  if (minimums) prefetch_span(minimums + row * groups, minimums + (row + 1) * groups, _MM_HINT_T0);
 }
 
 // float16 row -> float32 (scales, minimums of one weight row)
@@ -839,15 +850,6 @@ inline void prefetch_row(const void* key, const void* value, int64_t bytes) {
 #endif
 }
 
-// the lines of [from, to) into L1 (hint _MM_HINT_T0) or L2
-inline void prefetch_span(const void* from, const void* to, int hint) {
-#ifdef KVSCOPE_AVX2
-  auto* p = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(from) & ~uintptr_t{63});  // whole lines
-  for (; p < static_cast<const char*>(to); p += 64)
-    hint == _MM_HINT_T0 ? _mm_prefetch(p, _MM_HINT_T0) : _mm_prefetch(p, _MM_HINT_T1);
-#endif
-}
-
 // lines to prefetch into L1, issued a few at a time between a block's computations: int8's whole block of lines at
 // once (19 and more) would fill the line fill buffers and stall the loads behind them
 struct Prefetches {
@@ -855,8 +857,7 @@ struct Prefetches {
   std::array<const char*, MAX> line{};
   int n = 0, next = 0;
   void add(const void* from, const void* to) {
-    auto* p = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(from) & ~uintptr_t{63});
-    for (; p < static_cast<const char*>(to) && n < MAX; p += 64) line[n++] = p;
+    for (const char* p = line_of(from); p < static_cast<const char*>(to) && n < MAX; p += 64) line[n++] = p;
   }
   void issue(int count) {
 #ifdef KVSCOPE_AVX2
