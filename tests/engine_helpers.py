@@ -14,15 +14,20 @@ from engine.kv.base import KVCache
 
 
 @contextmanager
-def one_torch_thread() -> Iterator[None]:
-    """Run torch on one intra-op thread: on a shared 2-core machine, two spinning OpenMP threads competing
-    with other processes make each step several times slower (measured 4-5x), one thread never stalls."""
+def torch_threads(n: int) -> Iterator[None]:
+    """Run torch on n intra-op threads inside the block."""
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(n)
     try:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def one_torch_thread():
+    """Run torch on one intra-op thread: on a shared 2-core machine, two spinning OpenMP threads competing
+    with other processes make each step several times slower (measured 4-5x), one thread never stalls."""
+    return torch_threads(1)
 
 
 def greedy(max_new_tokens: int) -> SamplingParams:

@@ -9,7 +9,6 @@ not tolerances. The pure PyTorch path is layout-invariant too (it gathers every 
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 
 import pytest
@@ -23,7 +22,7 @@ from engine.model import LlamaModel, op_by_op
 from engine.weights.convert import to_format
 from engine.weights.formats import QuantizedWeight, quantize_int4, quantize_int8
 from engine.weights.linear import build_linear
-from tests.engine_helpers import one_torch_thread
+from tests.engine_helpers import one_torch_thread, torch_threads
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the compiled kernels could not be built here")
 
@@ -75,16 +74,6 @@ def test_the_int_kernels_compute_what_the_dequantized_weights_give():
         got = build_linear(q)(x)
         # activations are quantized to int8 in blocks of 32 (as llama.cpp does): ~0.5% of the output's scale
         assert (got - want).norm() / want.norm() < 0.01
-
-
-@contextlib.contextmanager
-def torch_threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_the_thread_count_changes_no_bit_of_a_projection_or_a_step(tiny_config, tokenizer):
