@@ -1,7 +1,7 @@
 """kvscope's own CPU kernels (cpu_kernels.cpp), built once per machine with torch's extension loader.
 
-They serve a decode step: int4 / int8 projections over the weights' own integers (activations quantized to int8
-in blocks of 32, as llama.cpp does), an RMS norm, and one attention routine over any KV layout. Each output row
+They serve a decode step: int4 / int8 projections over the weights' own integers (activations quantized to int16
+with one scale a row), an RMS norm, and one attention routine over any KV layout. Each output row
 is computed with one fixed order of operations whatever the batch, so the results are batch-invariant.
 
 `ops()` returns the loaded ops, or None when they cannot be built (no C++ compiler, another device, or
@@ -22,7 +22,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 NAME = "kvscope_cpu_kernels"
-TAG = "kvscope kernels 5"  # in the keys of measured choices (weights, KV precision): a new version measures again
+TAG = "kvscope kernels 6"  # in the keys of measured choices (weights, KV precision): a new version measures again
 
 
 def build_dir() -> Path:

@@ -1,8 +1,8 @@
 """Projection modules, one per weight format. Each picks its kernel per phase:
 
 - decode (a few rows: one token, a speculative verify step, a batch of sequences): kvscope's own kernels
-  (engine/kernels) over the weights' own integers, activations quantized to int8 in blocks of 32 as llama.cpp
-  does, one fixed order of operations per output, so a row's result never depends on the other rows; where the
+  (engine/kernels) over the weights' own integers, activations quantized to int16 with one scale a
+  row, one fixed order of operations per output, so a row's result never depends on the other rows; where the
   kernels cannot be built, torch's weight-only kernels (`_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu`,
   bfloat16 activations);
 - prefill (many rows): the layer's weights dequantized once to float32 for this call, then a float32 matmul,
@@ -152,7 +152,7 @@ class Int8Linear(WeightLinear):
         self.register_buffer("scales", q.scales.contiguous())  # [N, G] float16
         self.compiled = compiled_ops(q.codes) if self.in_features % 32 == 0 and self.group_size % 32 == 0 else None
         if self.compiled is not None:
-            self.kernel_name = "kvscope.int8_linear (int8 activations in blocks of 32)"
+            self.kernel_name = "kvscope.int8_linear (int16 activations, one scale a row)"
         else:
             self._prepare_torch_kernel()
 
@@ -241,7 +241,7 @@ class Int4Linear(WeightLinear):
         self.kernel_name = "dequantize + torch.mm"
         self.compiled = compiled_ops(q.codes) if self.in_features % 32 == 0 else None
         if self.compiled is not None:
-            self.kernel_name = "kvscope.int4_linear (int8 activations in blocks of 32)"
+            self.kernel_name = "kvscope.int4_linear (int16 activations, one scale a row)"
         elif q.codes.device.type == "cpu":
             self._pack_for_cpu_kernel(q)
 
