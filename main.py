@@ -112,6 +112,10 @@ def add_serve_parser(sub) -> None:
     add_kv_dtype_option(serve)
     add_threads_option(serve)
     serve.add_argument("--max-concurrency", type=int, default=16, help="requests in the running batch at most")
+    serve.add_argument("--prefill-rows-while-decoding", type=int, default=None, metavar="N",
+                       help="prompt tokens a tick prefills while other requests decode, with a float KV cache "
+                       "(fewer: smaller gaps between the running streams' tokens, a later first token for the new "
+                       "prompt; default 4)")
     serve.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health")
     serve.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
                        help="the largest request body accepted, in bytes; larger ones get a 413 (default: "

@@ -17,7 +17,12 @@ preemption or not (by construction; tests/test_serve_greedy.py checks it on the 
   one served least recently first), several in one step while their padded rows fit. A new prompt delays the
   running streams by one such step per token, never by its whole length; prompts that arrive together finish
   their prefill together (their short last pieces share steps) instead of the first one decoding while the
-  others' pieces stall it.
+  others' pieces stall it. While some request decodes, a float KV cache's prefill step takes at most
+  `prefill_rows_while_decoding` rows, its pieces ending at multiples of that: a running stream's gap grows by a
+  small step instead of a full one (a prefill row costs what a decode row does, so a full step is several
+  one-row steps), at the cost of the new prompt's time to first token. Any cut gives a float cache the same bits
+  (tests/test_serve_greedy.py); a quantized one turns blocks into codes at the step that fills them, so its
+  pieces stay on multiples of `step_rows`.
 When a request has computed all its tokens, the last logits sample its next token.
 
 Admission (paged caches): the oldest waiting request joins when the blocks it still needs for its tokens and one
@@ -53,6 +58,7 @@ from engine.chat import PromptTooLong
 from engine.config import ConfigError, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv.base import KVCacheFull, KVStats
+from engine.kv.precision import QUANTIZED
 from engine.sampler import Sampler
 from engine.weights.linear import DECODE_ROWS
 
@@ -63,9 +69,10 @@ LogitsAdjust = Callable  # (logits [V], generated token ids) -> logits [V]: pena
 class SchedulerConfig:
     max_concurrency: int = 16  # running requests at most; the rest wait
     step_rows: int = DECODE_ROWS  # rows one forward computes at most (see the module docstring)
+    prefill_rows_while_decoding: int = 4  # a prefill step's rows while others decode (float KV caches)
 
     def __post_init__(self):
-        for name in ("max_concurrency", "step_rows"):
+        for name in ("max_concurrency", "step_rows", "prefill_rows_while_decoding"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -350,10 +357,10 @@ class Scheduler:
     def _prefill_batch(self) -> tuple[list[Request], list[list[int]]]:
         """Round robin: the next piece of the prefilling request served least recently, then those of the next
         ones while the padded rows (requests x widest piece) still fit one step."""
-        batch, feeds, width, rows = [], [], 0, self.config.step_rows
+        batch, feeds, width, rows = [], [], 0, self._prefill_rows()
         prefilling = sorted((r for r in self.running if r.remaining > 1), key=lambda r: r.turn)
         for req in prefilling:
-            piece = self._next_piece(req)
+            piece = self._next_piece(req, rows)
             if batch and (len(batch) + 1) * max(width, len(piece)) > rows:
                 continue
             width = max(width, len(piece))
@@ -362,9 +369,18 @@ class Scheduler:
             feeds.append(piece)
         return batch, feeds
 
-    def _next_piece(self, req: Request) -> list[int]:
-        """The tokens from num_computed up to the next multiple of step_rows (or the last token)."""
-        rows, start = self.config.step_rows, req.num_computed
+    def _prefill_rows(self) -> int:
+        """The rows of this tick's prefill step: fewer while another request decodes, where any cut gives the same
+        bits (a float KV cache; see the module docstring)."""
+        c = self.config
+        if any(r.remaining == 1 for r in self.running) and self.engine.kv_dtype_name not in QUANTIZED:
+            return min(c.prefill_rows_while_decoding, c.step_rows)
+        return c.step_rows
+
+    @staticmethod
+    def _next_piece(req: Request, rows: int) -> list[int]:
+        """The tokens from num_computed up to the next multiple of rows (or the last token)."""
+        start = req.num_computed
         return req.tokens[start:(start // rows + 1) * rows]
 
     def _run_step(self, batch: list[Request], feeds: list[list[int]]) -> None:

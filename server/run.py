@@ -43,8 +43,11 @@ def run_serve(args) -> int:
         weights = {"weights": args.weights} if getattr(args, "weights", None) else {}  # default: the engine's auto
         config = EngineConfig(cache=args.cache, block_size=args.block_size or 16, pool_tokens=args.pool_tokens,
                               kv_dtype=getattr(args, "kv_dtype", None), **weights)
+        rows = getattr(args, "prefill_rows_while_decoding", None)
+        batching = SchedulerConfig(max_concurrency=args.max_concurrency,
+                                   **({} if rows is None else {"prefill_rows_while_decoding": rows}))
         engine = Engine.load(args.model, config)
-        scheduler = Scheduler(engine, SchedulerConfig(max_concurrency=args.max_concurrency))
+        scheduler = Scheduler(engine, batching)
     except Exception as e:  # noqa: BLE001 - a clear message and an exit code, not a traceback
         print(f"kvscope serve: {e}", file=sys.stderr)
         return 1

@@ -93,7 +93,7 @@ def test_scheduler_output_equals_engine_generate(tiny_engine_factory):
 
 
 def test_a_long_prompt_is_cut_into_pieces_and_does_not_stall_decoding(tiny_engine_factory):
-    sched = Scheduler(tiny_engine_factory(), SchedulerConfig(step_rows=16))
+    sched = Scheduler(tiny_engine_factory(), SchedulerConfig(step_rows=16, prefill_rows_while_decoding=16))
     col = Collector()
     short = sched.submit(prompts(1, [8])[0], greedy(60), col.sink)
     sched.tick()  # the short prompt is prefilled: it decodes from now on
@@ -105,6 +105,30 @@ def test_a_long_prompt_is_cut_into_pieces_and_does_not_stall_decoding(tiny_engin
         ticks_until_first_long_token += 1
         assert len(col.tokens(short)) == before + 1, "the decoding request got a token every tick"
     assert ticks_until_first_long_token == -(-600 // 16)  # one piece of 16 rows per tick
+
+
+@pytest.mark.parametrize("kv_dtype, rows_while_decoding", [("float32", 4), ("float16", 4), ("int8", 16)])
+def test_while_a_stream_decodes_a_float_cache_prefills_in_small_steps(tiny_engine_factory, kv_dtype,
+                                                                      rows_while_decoding):
+    """A running stream's gap grows by one small prefill step a tick; alone, a prompt takes full steps. A quantized
+    cache keeps its pieces on multiples of step_rows (its blocks turn into codes at the step that fills them)."""
+    engine = tiny_engine_factory(kv_dtype=kv_dtype)
+    fed = []
+    step = engine.step
+    engine.step = lambda ids, feeds, **kw: fed.append(sum(map(len, feeds))) or step(ids, feeds, **kw)
+    sched = Scheduler(engine, SchedulerConfig(step_rows=16, prefill_rows_while_decoding=4))
+    col = Collector()
+    first = sched.submit(prompts(1, [40])[0], greedy(30), col.sink)
+    sched.tick(), sched.tick(), sched.tick()
+    assert fed == [16, 16, 8] and len(col.tokens(first)) == 1  # prefilled: it decodes from now on
+    later = sched.submit(prompts(1, [40], seed=2)[0], greedy(2), col.sink)
+    fed.clear()
+    while not col.outputs.get(later):
+        sched.tick()
+    assert fed[0::2] == [1] * len(fed[0::2])  # the running stream's token, every tick
+    prefill = fed[1::2]
+    assert sum(prefill) == 40 and max(prefill) == rows_while_decoding
+    assert len(col.tokens(first)) == 1 + len(prefill)
 
 
 def test_every_step_computes_at_most_step_rows_rows(tiny_engine_factory):
