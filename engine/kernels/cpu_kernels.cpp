@@ -520,23 +520,24 @@ at::Tensor int4_linear(const at::Tensor& input, const at::Tensor& codes, const a
   return y.view(out_sizes);
 }
 
-template <int M>
-inline void int8_row(const int8_t* crow, const float* dw, int64_t k, int64_t per, const QuantizedRows& x, int64_t m,
-                     float* out, int64_t n) {
+// one int8 row (codes crow, a float scale per block of 32: dw) times M activation rows -> out[i * n]
+template <int M>  // not inlined into the caller's loop: there its accumulators spilled to the stack
+__attribute__((noinline)) void int8_row(const int8_t* crow, const float* dw, int64_t k, const QuantizedRows& x, int64_t m, float* out,
+                     int64_t n) {
   int64_t rows = M > 0 ? M : m;
   float sums[M > 0 ? M : MAX_ROWS];
   const uint8_t* stream = reinterpret_cast<const uint8_t*>(crow);
 #if defined(KVSCOPE_AVX512)
   pairs_dot<M>(
       k, x, m, stream, QK, [&](int64_t b, bool single) { return int8_pair(crow, b, single); },
-      [&](int64_t b, bool single) { return two_scales(dw[b / per], single ? 0.f : dw[(b + 1) / per]); }, sums);
+      [&](int64_t b, bool single) { return two_scales(dw[b], single ? 0.f : dw[b + 1]); }, sums);
 #elif defined(KVSCOPE_AVX2)
-  blocks_dot<M>(k, x, m, stream, QK, [&](int64_t b) { return int8_block(crow, b); }, [&](int64_t b) { return dw[b / per]; },
+  blocks_dot<M>(k, x, m, stream, QK, [&](int64_t b) { return int8_block(crow, b); }, [&](int64_t b) { return dw[b]; },
                 sums);
 #else
   for (int64_t i = 0; i < rows; ++i)
     sums[i] = blocks_dot_scalar(
-        k, x, i, [&](int64_t b, int64_t j) { return static_cast<int>(crow[b * QK + j]); }, [&](int64_t b) { return dw[b / per]; });
+        k, x, i, [&](int64_t b, int64_t j) { return static_cast<int>(crow[b * QK + j]); }, [&](int64_t b) { return dw[b]; });
 #endif
   for (int64_t i = 0; i < rows; ++i) out[i * n] = sums[i] * x.d[i];
 }
@@ -557,12 +558,15 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes, const a
   const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   float* out = y.data_ptr<float>();
   parallel_chunks(n, grain_for(n), [&](int64_t n0, int64_t n1) {
-    std::vector<float> dw(groups);
-    for (int64_t row = n0; row < n1; ++row) {
+    int64_t nb = k / QK, per = g / QK;
+    std::vector<float> dw(groups), blocks(per > 1 ? nb : 0);  // a group's scale, then each block's (no division
+    for (int64_t row = n0; row < n1; ++row) {                  // in the kernel's loop)
       prefetch_params(sc, nullptr, row + PARAMS_AHEAD, groups, n);
       halves_to_floats(sc + row * groups, dw.data(), groups);
+      for (int64_t b = 0; per > 1 && b < nb; ++b) blocks[b] = dw[b / per];
+      const float* block_scales = per > 1 ? blocks.data() : dw.data();
       with_rows(m, [&](auto rows_m) {
-        int8_row<decltype(rows_m)::value>(c + row * k, dw.data(), k, g / QK, rows, m, out + row, n);
+        int8_row<decltype(rows_m)::value>(c + row * k, block_scales, k, rows, m, out + row, n);
       });
     }
   });
