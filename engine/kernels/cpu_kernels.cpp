@@ -639,18 +639,19 @@ at::Tensor add_rms_norm(at::Tensor x, const at::Tensor& delta, const at::Tensor&
 }
 
 #ifdef KVSCOPE_AVX2
-// exp on 8 lanes (Cephes' polynomial), inputs clamped to [-87, 88]
+// exp (Cephes' polynomial): e^x = 2^n e^r, n = floor(x log2 e + 1/2), r = x - n ln 2 (ln 2 in two parts)
+constexpr float EXP_LOG2E = 1.44269504088896341f, EXP_LN2_HIGH = 0.693359375f, EXP_LN2_LOW = -2.12194440e-4f;
+constexpr float EXP_POLY[] = {1.9875691500E-4f, 1.3981999507E-3f, 8.3334519073E-3f,
+                              4.1665795894E-2f, 1.6666665459E-1f, 5.0000001201E-1f};
+
+// exp on 8 lanes, inputs clamped to [-87, 88]
 inline __m256 exp8(__m256 x) {
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
-  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(EXP_LOG2E), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(EXP_LN2_HIGH), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(EXP_LN2_LOW), x);
+  __m256 y = _mm256_set1_ps(EXP_POLY[0]);
+  for (int c = 1; c < 6; ++c) y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_POLY[c]));
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
   __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
@@ -729,20 +730,16 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_LT_OQ), exp8(x));
 }
 #ifdef KVSCOPE_AVX512
-// exp8's polynomial, 16 lanes at a time; 0 below -87
+// exp8's steps, 16 lanes at a time (the same bits a lane); 0 below -87
 inline __m512 exp_nonpositive16(__m512 x) {
   __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+  __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(EXP_LOG2E), _mm512_set1_ps(0.5f)),
                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(EXP_LN2_HIGH), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(EXP_LN2_LOW), x);
+  __m512 y = _mm512_set1_ps(EXP_POLY[0]);
+  for (int c = 1; c < 6; ++c) y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(EXP_POLY[c]));
   y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
   __m512i pow2 = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
   return _mm512_maskz_mul_ps(static_cast<__mmask16>(~tiny), y, _mm512_castsi512_ps(pow2));
