@@ -39,11 +39,14 @@ def run_serve(args) -> int:
     except ValueError as e:
         print(f"kvscope serve: {e}", file=sys.stderr)
         return 1  # before the model loads: a typo costs no wait
+    rows = getattr(args, "prefill_rows_while_decoding", None)
+    if rows is not None and rows < 1:
+        print(f"kvscope serve: --prefill-rows-while-decoding must be at least 1, not {rows}", file=sys.stderr)
+        return 1
     try:
         weights = {"weights": args.weights} if getattr(args, "weights", None) else {}  # default: the engine's auto
         config = EngineConfig(cache=args.cache, block_size=args.block_size or 16, pool_tokens=args.pool_tokens,
                               kv_dtype=getattr(args, "kv_dtype", None), **weights)
-        rows = getattr(args, "prefill_rows_while_decoding", None)
         batching = SchedulerConfig(max_concurrency=args.max_concurrency,
                                    **({} if rows is None else {"prefill_rows_while_decoding": rows}))
         engine = Engine.load(args.model, config)

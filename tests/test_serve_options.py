@@ -1,5 +1,6 @@
 """`main.py serve --max-body-bytes N`: the flag, else KVSCOPE_MAX_BODY_BYTES, else 4 MiB; a bad value is a clear
-error before the model loads. (The limit itself, 413 JSON, over real HTTP: tests/test_server.py.)"""
+error before the model loads. (The limit itself, 413 JSON, over real HTTP: tests/test_server.py.) The same for
+`--prefill-rows-while-decoding N` (the scheduler's rule itself: tests/test_scheduler.py)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,13 @@ def test_serve_refuses_a_bad_limit_before_it_loads_any_model(capsys, tmp_path):
     assert main.main(["serve", "--max-body-bytes", "0", "--model", str(missing)]) == 1
     err = capsys.readouterr().err
     assert "--max-body-bytes must be a positive number of bytes, not '0'" in err and "no-such-model" not in err
+
+
+@pytest.mark.parametrize("rows", ["0", "-3"])
+def test_serve_refuses_prefill_rows_below_one_before_it_loads_any_model(capsys, tmp_path, rows):
+    import main
+
+    missing = tmp_path / "no-such-model"
+    assert main.main(["serve", "--prefill-rows-while-decoding", rows, "--model", str(missing)]) == 1
+    err = capsys.readouterr().err
+    assert f"--prefill-rows-while-decoding must be at least 1, not {rows}" in err and "no-such-model" not in err
