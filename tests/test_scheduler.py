@@ -156,7 +156,7 @@ def test_a_running_stream_is_stalled_by_one_piece_per_tick_whatever_arrives(tiny
     """Four prompts arriving while a stream decodes: every tick still gives that stream its token."""
     sched = Scheduler(tiny_engine_factory(), SchedulerConfig(step_rows=16))
     col = Collector()
-    first = sched.submit(prompts(1, [8])[0], greedy(40), col.sink)
+    first = sched.submit(prompts(1, [8])[0], greedy(100), col.sink)  # outlasts the others' 4-row pieces
     sched.tick()
     later = [sched.submit(p, greedy(4), col.sink) for p in prompts(4, [40, 70, 33, 90], seed=4)]
     while not all(col.outputs.get(r) for r in later):
