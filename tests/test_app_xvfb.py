@@ -116,7 +116,8 @@ def test_the_app_starts_replies_and_draws_on_a_real_x_server(x_display, tmp_path
     (config / "kvscope" / "kvscope.conf").write_text(  # the user's settings stay untouched
         "[sampling]\nmax_new_tokens=16\ntemperature=0\n[engine]\ncache=paged\n")
     shot = tmp_path / "xvfb-window.png"
-    env = dict(x_display, XDG_CONFIG_HOME=str(config))
+    env = dict(x_display, XDG_CONFIG_HOME=str(config), XDG_DATA_HOME=str(tmp_path / "data"))  # the demo's
+    # conversation is saved there, not into the user's history
 
     result = subprocess.run([sys.executable, "main.py", "gui", "--model", str(tiny_model_folder), "--demo",
                              "What is a KV cache?", "--screenshot", str(shot)], cwd=ROOT, env=env,
