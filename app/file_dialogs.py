@@ -41,10 +41,11 @@ def ask(parent: QWidget | None, title: str, folder: str = "", file_filter: str =
     return chosen[0] if chosen else ""
 
 
-def fitting_size(parent: QWidget | None) -> QSize:
+def fitting_size(parent: QWidget | None, size: QSize = SIZE) -> QSize:
+    """size, bounded to SCREEN_SHARE of the free area of the parent's screen (or the primary one)."""
     screen = parent.screen() if parent is not None else QGuiApplication.primaryScreen()
-    room = screen.availableGeometry().size() * SCREEN_SHARE if screen is not None else SIZE
-    return SIZE.boundedTo(room)
+    room = screen.availableGeometry().size() * SCREEN_SHARE if screen is not None else size
+    return size.boundedTo(room)
 
 
 def fit_columns(dialog: QFileDialog) -> None:

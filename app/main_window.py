@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 
-from PySide6.QtCore import Qt, QTimer
+from PySide6.QtCore import QSize, Qt, QTimer
 from PySide6.QtGui import QIcon
 from PySide6.QtWidgets import QApplication, QMainWindow, QMessageBox, QSplitter
 
@@ -27,6 +27,7 @@ from app.chat_view import ChatView
 from app.compare_controller import CompareController
 from app.conversation_list import ConversationList, Conversations
 from app.dialogs import about_html
+from app.file_dialogs import fitting_size
 from app.menus import Menus
 from app.message_widget import speculation_footer
 from app.metrics_panel import MetricsPanel
@@ -38,6 +39,7 @@ from app.style import RESOURCES, apply_theme
 from app.window_actions import WindowActions
 
 STATUS_REFRESH_MS = 200
+START_SIZE = (1440, 900)  # on a screen with room for it; else 90% of the screen's free area
 MIN_SIZE = (740, 480)  # the chat's and the side panel's minimum widths side by side; fits half of a 1920 screen
 
 
@@ -62,7 +64,7 @@ class MainWindow(QMainWindow):
         self._sent_text = ""
         self.sampling_override = None  # SamplingParams used instead of the saved ones (scripts, tests)
         self.setWindowTitle("kvscope")
-        self.resize(1440, 900)
+        self.resize(fitting_size(None, QSize(*START_SIZE)))  # a laptop's screen holds it whole
         self._build()
         self.backends = Backends(self)  # the local engine (app.backends.local) or a server (app.backends.remote)
         self.client = self.backends.make_client(cache, block_size, engine)
