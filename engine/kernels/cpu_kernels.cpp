@@ -1399,7 +1399,7 @@ inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 
 // The query's grid: int8 keys meet two int8 parts (|x| <= 127.5 * 256, 15 bits); int4 keys, whose codes carry 4
 // bits, one part (|x| <= 127), which halves the score's products: on real text int4's mean KL against a float32
-// cache went 0.0013 -> 0.0015 nats (top-1 98.8% -> 98.4%; tests/test_int8_quality.py)
+// cache went 0.00138 -> 0.00144 nats (top-1 98.6% -> 98.5%; tests/test_int8_quality.py)
 template <int BITS> constexpr float QUERY_GRID = BITS == 4 ? 127.f : 32512.f;
 
 // up to four vectors q[v] against one block (scales sc, int4 minimums mn, as floats): their QueryParts
