@@ -7,6 +7,7 @@ import pytest
 from PySide6.QtCore import Qt
 from test_app_support import HANG_GUARD_MS, Catch, greedy, run_turn, send, worker_messages
 
+from app.file_dialogs import SCREEN_SHARE
 from app.main_window import MIN_SIZE
 from engine.kv.base import BLOCK_OWN
 
@@ -15,7 +16,8 @@ def test_the_window_opens_within_the_screen_it_is_on(window):
     """1440 x 900 where the screen has room (tests/test_app_xvfb.py: 1600 x 1000); else 90% of its free area, never
     under the minimum size (the offscreen screen here is 800 x 800, a small laptop's scale)."""
     room = window.screen().availableGeometry()
-    assert window.width() <= max(MIN_SIZE[0], int(room.width() * 0.9)) and window.height() <= int(room.height() * 0.9)
+    assert window.width() <= max(MIN_SIZE[0], int(room.width() * SCREEN_SHARE))
+    assert window.height() <= int(room.height() * SCREEN_SHARE)
     assert (window.width(), window.height()) >= MIN_SIZE
 
 

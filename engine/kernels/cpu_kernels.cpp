@@ -1425,12 +1425,11 @@ inline void query_parts(const float* const* q, int nv, const float* sc, const fl
     const __m512 vinv = _mm512_set1_ps(top[v] > 0.f ? grid / top[v] : 0.f);
     __m512i total = _mm512_setzero_si512();
     for (int64_t j = 0; j < d; j += 16) {
+      __m512i xi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(x[v] + j), vinv));
       if constexpr (BITS == 4) {  // one part: |x| <= 127
-        __m512i xi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(x[v] + j), vinv));
         _mm_store_si128(reinterpret_cast<__m128i*>(out[v]->hi + j), _mm512_cvtepi32_epi8(xi));
         continue;
       }
-      __m512i xi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(x[v] + j), vinv));
       __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(xi, _mm512_set1_epi32(128)), 8);  // -127..127
       __m512i lo = _mm512_sub_epi32(xi, _mm512_slli_epi32(hi, 8));                       // -128..127
       _mm_store_si128(reinterpret_cast<__m128i*>(out[v]->hi + j), _mm512_cvtepi32_epi8(hi));
