@@ -998,6 +998,132 @@ inline void weigh_rows(const float* const* e, const T* const* v, int64_t n, floa
 }
 #endif
 
+#ifdef KVSCOPE_AVX512
+// ---- the float attention 16 lanes a register (AVX-512): key and value rows are read 32 channels at a time.
+// bfloat16 rows widen in place: a 32-bit lane holds channels 2i and 2i + 1, so one shift gives the even channels
+// as floats and one mask the odd ones; the query is put in that order once per tile (`in_key_order`) and the
+// weighted values are put back in channel order where they are stored. Every sum keeps one fixed order.
+inline bool float512(int64_t d) { return d % 32 == 0; }
+
+template <typename T> struct Load32;  // 32 stored channels -> two registers (a, b)
+template <> struct Load32<float> {
+  static constexpr bool PAIRED = false;  // a: channels 0-15, b: 16-31
+  static void two(const float* p, __m512& a, __m512& b) { a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16); }
+};
+template <> struct Load32<c10::Half> {
+  static constexpr bool PAIRED = false;
+  static void two(const c10::Half* p, __m512& a, __m512& b) {
+    auto half16 = [](const c10::Half* h) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)); };
+    a = _mm512_cvtph_ps(half16(p)), b = _mm512_cvtph_ps(half16(p + 16));
+  }
+};
+template <> struct Load32<c10::BFloat16> {
+  static constexpr bool PAIRED = true;  // a: channels 0, 2, .., 30; b: 1, 3, .., 31
+  static void two(const c10::BFloat16* p, __m512& a, __m512& b) {
+    __m512i x = _mm512_loadu_si512(p);
+    a = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    b = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+};
+
+// 32 channels in order (x0: 0-15, x1: 16-31) <-> paired (a: even channels, b: odd ones)
+inline void to_pairs(__m512 x0, __m512 x1, __m512& a, __m512& b) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  a = _mm512_permutex2var_ps(x0, even, x1);
+  b = _mm512_permutex2var_ps(x0, _mm512_add_epi32(even, _mm512_set1_epi32(1)), x1);
+}
+inline void from_pairs(__m512 a, __m512 b, __m512& x0, __m512& x1) {
+  const __m512i low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  x0 = _mm512_permutex2var_ps(a, low, b);
+  x1 = _mm512_permutex2var_ps(a, _mm512_add_epi32(low, _mm512_set1_epi32(8)), b);
+}
+
+// the horizontal maxima (MAX) or sums of four registers -> lanes 0..3, in one fixed order
+template <bool MAX>
+inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  auto op = [](__m512 x, __m512 y) { return MAX ? _mm512_max_ps(x, y) : _mm512_add_ps(x, y); };
+  auto pd = [](__m512 x) { return _mm512_castps_pd(x); };
+  __m512 t0 = op(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));  // a 128-bit lane: a0 a1 a0 a1
+  __m512 t1 = op(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));  // a2 a3 a2 a3
+  __m512 u = op(_mm512_castpd_ps(_mm512_unpacklo_pd(pd(t0), pd(t1))),
+                _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t0), pd(t1))));  // a0 a1 a2 a3
+  u = op(u, _mm512_shuffle_f32x4(u, u, 0x4E));
+  return _mm512_castps512_ps128(op(u, _mm512_shuffle_f32x4(u, u, 0xB1)));
+}
+
+// nq query vectors [nq, D] in the channel order Load32<T> reads keys in (a copy where it differs)
+template <typename T>
+inline const float* in_key_order(const float* q, int64_t nq, int64_t d) {
+  if constexpr (!Load32<T>::PAIRED) {
+    return q;
+  } else {
+    thread_local std::vector<float> paired;
+    paired.resize(nq * d);
+    for (int64_t c = 0; c < nq * d; c += 32) {
+      __m512 a, b;
+      to_pairs(_mm512_loadu_ps(q + c), _mm512_loadu_ps(q + c + 16), a, b);
+      _mm512_storeu_ps(paired.data() + c, a), _mm512_storeu_ps(paired.data() + c + 16, b);
+    }
+    return paired.data();
+  }
+}
+
+// score_four_keys 16 lanes at a time: NV vectors q[v] (in key order) against n <= 4 key rows k
+template <typename T, int NV>
+inline void score_four_keys_512(const float* const* q, const T* const* k, int64_t n, int64_t d, float* const* out) {
+  const T* r[4];
+  for (int64_t j = 0; j < 4; ++j) r[j] = k[std::min<int64_t>(j, n - 1)];
+  __m512 acc[NV][4];
+  for (int64_t c = 0; c < d; c += 32) {
+    __m512 a[4], b[4];
+    for (int j = 0; j < 4; ++j) Load32<T>::two(r[j] + c, a[j], b[j]);
+    for (int v = 0; v < NV; ++v) {
+      __m512 qa = _mm512_loadu_ps(q[v] + c), qb = _mm512_loadu_ps(q[v] + c + 16);
+      for (int j = 0; j < 4; ++j)
+        acc[v][j] = _mm512_fmadd_ps(qb, b[j], c == 0 ? _mm512_mul_ps(qa, a[j]) : _mm512_fmadd_ps(qa, a[j], acc[v][j]));
+    }
+  }
+  for (int v = 0; v < NV; ++v) {
+    alignas(16) float four[4];
+    _mm_store_ps(four, reduce4<false>(acc[v][0], acc[v][1], acc[v][2], acc[v][3]));
+    for (int64_t j = 0; j < n; ++j) out[v][j] = four[j];
+  }
+}
+
+// weigh_rows 16 lanes at a time, C (1 or 2) groups of 32 channels from c: out_v[c..) += sum over p of e_v[p] * v[p]
+template <typename T, int NV, int C>
+inline void weigh_rows_512(const float* const* e, const T* const* v, int64_t n, float* const* out, int64_t c) {
+  __m512 acc[NV][2 * C];
+  for (int u = 0; u < NV; ++u)
+    for (int g = 0; g < C; ++g) {
+      __m512 x0 = _mm512_loadu_ps(out[u] + c + 32 * g), x1 = _mm512_loadu_ps(out[u] + c + 32 * g + 16);
+      if constexpr (Load32<T>::PAIRED) to_pairs(x0, x1, acc[u][2 * g], acc[u][2 * g + 1]);
+      else acc[u][2 * g] = x0, acc[u][2 * g + 1] = x1;
+    }
+  for (int64_t p = 0; p < n; ++p) {
+    __m512 x[2 * C];
+    for (int g = 0; g < C; ++g) Load32<T>::two(v[p] + c + 32 * g, x[2 * g], x[2 * g + 1]);
+    for (int u = 0; u < NV; ++u) {
+      __m512 w = _mm512_set1_ps(e[u][p]);
+      for (int j = 0; j < 2 * C; ++j) acc[u][j] = _mm512_fmadd_ps(w, x[j], acc[u][j]);
+    }
+  }
+  for (int u = 0; u < NV; ++u)
+    for (int g = 0; g < C; ++g) {
+      __m512 x0 = acc[u][2 * g], x1 = acc[u][2 * g + 1];
+      if constexpr (Load32<T>::PAIRED) from_pairs(acc[u][2 * g], acc[u][2 * g + 1], x0, x1);
+      _mm512_storeu_ps(out[u] + c + 32 * g, x0), _mm512_storeu_ps(out[u] + c + 32 * g + 16, x1);
+    }
+}
+
+template <typename T, int NV>
+inline void weigh_rows_512(const float* const* e, const T* const* v, int64_t n, float* const* out, int64_t d) {
+  int64_t c = 0;
+  for (; c + 64 <= d; c += 64) weigh_rows_512<T, NV, 2>(e, v, n, out, c);
+  if (c < d) weigh_rows_512<T, NV, 1>(e, v, n, out, c);
+}
+#endif
+
 // f(first, std::integral_constant<int, NV>) for vectors 0..count-1, three at a time (NV = 3, 2 or 1)
 template <typename F>
 inline void in_threes(int64_t count, F f) {
@@ -1010,7 +1136,8 @@ inline void in_threes(int64_t count, F f) {
 }
 
 // Query vectors 0..count-1 of a tile's task that share their keys (one query row's group of heads, at one
-// position): their scores against n <= 4 keys k (each vector's scores `padded` apart)
+// position; in_key_order's channel order where it applies): their scores against n <= 4 keys k (each vector's
+// scores `padded` apart)
 template <typename T>
 inline void score_group(const float* q, int64_t count, int64_t d, const T* const* k, int64_t n, float* scores,
                         int64_t padded) {
@@ -1020,6 +1147,9 @@ inline void score_group(const float* q, int64_t count, int64_t d, const T* const
     const float* qv[NV];
     float* out[NV];
     for (int u = 0; u < NV; ++u) qv[u] = q + (a + u) * d, out[u] = scores + (a + u) * padded;
+#ifdef KVSCOPE_AVX512
+    if (float512(d)) return score_four_keys_512<T, NV>(qv, k, n, d, out);
+#endif
     score_four_keys<T, NV>(qv, k, n, d, out);
   });
 #else
@@ -1037,6 +1167,9 @@ inline void weigh_group(const float* e, int64_t padded, int64_t count, const T* 
     const float* ev[NV];
     float* out[NV];
     for (int u = 0; u < NV; ++u) ev[u] = e + (a + u) * padded, out[u] = part + (a + u) * stride;
+#ifdef KVSCOPE_AVX512
+    if (float512(d)) return weigh_rows_512<T, NV>(ev, v, n, out, d);
+#endif
     weigh_rows<T, NV>(ev, v, n, out, d);
   });
 #else
@@ -1092,6 +1225,9 @@ void attend_tile(const float* q, float* part, const K& keys, const V& values, co
   scores.assign(nq * padded, 0.f);
   std::vector<int64_t> last(nq);  // each vector's last key in this tile, from k0
   for (int64_t i = 0; i < nq; ++i) last[i] = std::min<int64_t>(pos[i / group], k1 - 1) - k0;
+#ifdef KVSCOPE_AVX512
+  if (float512(d)) q = in_key_order<TK>(q, nq, d);
+#endif
   for (int64_t p = 0; p < n; p += KEYS_AT_ONCE) {
     // ahead of their use: the next keys into L1, the values at the same pace into L2 (read after the softmax)
     for (int64_t a = p + 4 * KEYS_AT_ONCE; a < std::min(n, p + 5 * KEYS_AT_ONCE); ++a)
@@ -1384,18 +1520,6 @@ struct QueryParts {  // a vector against one block: x = q * scale ~ dq * (256 hi
   int32_t offset;  // int8: 128 * sum of (256 hi + lo), what the codes' +128 adds to the sums
 };
 
-// the horizontal maxima (MAX) or sums of four registers -> lanes 0..3, in one fixed order
-template <bool MAX>
-inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-  auto op = [](__m512 x, __m512 y) { return MAX ? _mm512_max_ps(x, y) : _mm512_add_ps(x, y); };
-  auto pd = [](__m512 x) { return _mm512_castps_pd(x); };
-  __m512 t0 = op(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));  // a 128-bit lane: a0 a1 a0 a1
-  __m512 t1 = op(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));  // a2 a3 a2 a3
-  __m512 u = op(_mm512_castpd_ps(_mm512_unpacklo_pd(pd(t0), pd(t1))),
-                _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t0), pd(t1))));  // a0 a1 a2 a3
-  u = op(u, _mm512_shuffle_f32x4(u, u, 0x4E));
-  return _mm512_castps512_ps128(op(u, _mm512_shuffle_f32x4(u, u, 0xB1)));
-}
 
 // The query's grid: int8 keys meet two int8 parts (|x| <= 127.5 * 256, 15 bits); int4 keys, whose codes carry 4
 // bits, one part (|x| <= 127), which halves the score's products: on real text int4's mean KL against a float32
