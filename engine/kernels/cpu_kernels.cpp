@@ -1228,8 +1228,12 @@ void attend_tile(const float* q, float* part, const K& keys, const V& values, co
 #ifdef KVSCOPE_AVX512
   if (float512(d)) q = in_key_order<TK>(q, nq, d);
 #endif
+  // the tile's first rows at once (this VM's hardware prefetchers barely help: without the software prefetches
+  // the bfloat16 attention at 4,096 tokens takes 16.5 ms instead of 10.6), then a few at a time, ahead of their
+  // use: the next keys into L1, the values at the same pace into L2 (read after the softmax)
+  for (int64_t a = 0; a < std::min(n, 4 * KEYS_AT_ONCE); ++a)
+    prefetch_row(rows_k[a], rows_v[a], d * static_cast<int64_t>(sizeof(TK)));
   for (int64_t p = 0; p < n; p += KEYS_AT_ONCE) {
-    // ahead of their use: the next keys into L1, the values at the same pace into L2 (read after the softmax)
     for (int64_t a = p + 4 * KEYS_AT_ONCE; a < std::min(n, p + 5 * KEYS_AT_ONCE); ++a)
       prefetch_row(rows_k[a], rows_v[a], d * static_cast<int64_t>(sizeof(TK)));
     for (int64_t r = 0; r < rows; ++r)  // a row's group of vectors shares its position, so its keys
