@@ -1,0 +1,104 @@
+"""The compiled attention itself, for every head size and float store: it computes softmax attention, and a row's
+bits depend on nothing but its own keys (not the block size, the blocks' places, the batch or the other rows).
+
+Head sizes 32, 64, 96 and 128 take the 16-lane path on AVX-512 machines (32 channels a step: 64 at once, then a
+last 32), 16 and 80 the 8-lane one; the tiny models of the other tests have heads of 16, so these are the tests
+that reach the wide path on small inputs."""
+
+import pytest
+import torch
+
+from engine import kernels
+from engine.kv.attention import FLOAT_STORES
+
+pytestmark = pytest.mark.skipif(kernels.ops() is None, reason="the compiled kernels are not built here")
+
+HQ, HKV = 6, 2  # groups of 3 query heads, as the default model's
+HEAD_DIMS = (16, 32, 64, 80, 96, 128)
+TOKENS = 300  # two key tiles of 256
+
+
+def laid_out(keys: torch.Tensor, values: torch.Tensor, block_size: int, seed: int) -> tuple:
+    """keys, values [HKV, T, D] -> one store each with the blocks in a shuffled order, and the block table."""
+    blocks = -(-keys.shape[1] // block_size)
+    place = torch.randperm(blocks, generator=torch.Generator().manual_seed(seed))  # block b sits at place[b]
+    k_store = torch.zeros(HKV, blocks * block_size, keys.shape[2], dtype=keys.dtype)
+    v_store = torch.zeros_like(k_store)
+    for b in range(blocks):
+        span = slice(b * block_size, min((b + 1) * block_size, keys.shape[1]))
+        at = place[b].item() * block_size
+        k_store[:, at:at + span.stop - span.start] = keys[:, span]
+        v_store[:, at:at + span.stop - span.start] = values[:, span]
+    table = torch.arange(blocks, dtype=torch.int32)[None]
+    return k_store, v_store, table, torch.zeros(blocks, dtype=torch.int32), (place * block_size).to(torch.int32)
+
+
+def attend(q, keys, values, positions, block_size=16, seed=0):
+    """q [1, HQ, T, D] at `positions` over keys, values [HKV, TOKENS, D] as stored -> [1, T, HQ * D]."""
+    k_store, v_store, table, block_store, block_start = laid_out(keys, values, block_size, seed)
+    q_pos = torch.tensor([positions], dtype=torch.int32)
+    return kernels.ops().attention(q.contiguous(), [k_store], [v_store], table, block_store, block_start,
+                                   block_size, q_pos)
+
+
+def reference(q, keys, values, positions):
+    """softmax(q k / sqrt(D)) v in float64 over the stored keys and values, each row over keys 0..its position."""
+    d = q.shape[-1]
+    k, v = keys.double().repeat_interleave(HQ // HKV, 0), values.double().repeat_interleave(HQ // HKV, 0)
+    rows = []
+    for t, p in enumerate(positions):
+        scores = (q[0, :, t].double()[:, None, :] @ k[:, :p + 1].transpose(1, 2))[:, 0] / d ** 0.5
+        rows.append((scores.softmax(-1)[:, None, :] @ v[:, :p + 1])[:, 0].reshape(-1))
+    return torch.stack(rows)[None]
+
+
+def inputs(d: int, dtype: torch.dtype, rows: int = 1, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(HKV, TOKENS, d, generator=g).to(dtype)
+    values = torch.randn(HKV, TOKENS, d, generator=g).to(dtype)
+    q = torch.randn(1, HQ, rows, d, generator=g) * 0.5
+    return q, keys, values
+
+
+@pytest.mark.parametrize("dtype", FLOAT_STORES)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_the_compiled_attention_is_softmax_attention_for_every_head_size_and_store(d, dtype):
+    q, keys, values = inputs(d, dtype, rows=4)
+    positions = [0, 100, 256, TOKENS - 1]  # one key, a part of a tile, a tile and one key, two tiles
+    out = attend(q, keys, values, positions)
+    torch.testing.assert_close(out.double(), reference(q, keys, values, positions), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_STORES)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_block_size_and_the_blocks_places_change_no_bit(d, dtype):
+    q, keys, values = inputs(d, dtype)
+    first = attend(q, keys, values, [TOKENS - 1], block_size=16, seed=0)
+    for block_size, seed in ((1, 1), (8, 2), (64, 3), (16, 4)):
+        assert torch.equal(attend(q, keys, values, [TOKENS - 1], block_size, seed), first)
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_a_decode_row_gives_the_bits_it_gives_among_prefill_rows(d):
+    q, keys, values = inputs(d, torch.bfloat16, rows=5)
+    positions = list(range(TOKENS - 5, TOKENS))
+    among = attend(q, keys, values, positions)
+    alone = attend(q[:, :, -1:], keys, values, positions[-1:])
+    assert torch.equal(alone[:, 0], among[:, -1])
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_a_sequence_gives_the_same_bits_alone_and_beside_another(d):
+    q, keys, values = inputs(d, torch.float16)
+    other_q, other_keys, other_values = inputs(d, torch.float16, seed=1)
+    alone = attend(q, keys, values, [TOKENS - 1])
+    # the two sequences in one store, one block table each; the other one shorter
+    k_store = torch.cat([keys, other_keys], 1)
+    v_store = torch.cat([values, other_values], 1)
+    blocks = TOKENS // 20
+    table = torch.stack([torch.arange(blocks), blocks + torch.arange(blocks)]).to(torch.int32)
+    block_start = (torch.arange(2 * blocks) * 20).to(torch.int32)
+    both = kernels.ops().attention(torch.cat([q, other_q]).contiguous(), [k_store], [v_store], table,
+                                   torch.zeros(2 * blocks, dtype=torch.int32), block_start, 20,
+                                   torch.tensor([[TOKENS - 1], [TOKENS - 40]], dtype=torch.int32))
+    assert torch.equal(both[:1], alone)
