@@ -22,14 +22,16 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 NAME = "kvscope_cpu_kernels"
-TAG = "kvscope kernels 7"  # in the keys of measured choices (weights, KV precision): a new version measures again
+TAG = "kvscope kernels 8"  # in the keys of measured choices (weights, KV precision): a new version measures again
 
 
 def build_dir() -> Path:
+    """Where the built kernels live: KVSCOPE_KERNELS_DIR, else kernels/<torch and Python versions> in the cache."""
     from engine.loader import cache_root  # late: the loader imports the weights, which import this module
 
     tag = f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}".replace("+", "_")
-    path = cache_root() / "kernels" / tag
+    override = os.environ.get("KVSCOPE_KERNELS_DIR")
+    path = Path(override) if override else cache_root() / "kernels" / tag
     path.mkdir(parents=True, exist_ok=True)
     return path
 

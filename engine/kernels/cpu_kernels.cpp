@@ -573,32 +573,6 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes, const a
   return y.view(out_sizes);
 }
 
-// ---------------------------------------------------------------- float32 / bfloat16 weights
-template <typename T> float dot_any(const float* q, const T* k, int64_t d);
-
-// y[m, n] = w[n] . x[m], each a dot product over K in one fixed order (8 lanes, then the lanes' sum)
-template <typename T>
-at::Tensor float_linear_impl(const at::Tensor& x, const at::Tensor& w) {
-  int64_t m = x.size(0), k = x.size(1), n = w.size(0);
-  auto y = at::empty({m, n}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const T* wp = w.data_ptr<T>();
-  float* out = y.data_ptr<float>();
-  parallel_chunks(n, grain_for(n), [&](int64_t n0, int64_t n1) {
-    for (int64_t row = n0; row < n1; ++row)
-      for (int64_t i = 0; i < m; ++i) out[i * n + row] = dot_any<T>(xp + i * k, wp + row * k, k);
-  });
-  return y;
-}
-
-at::Tensor float_linear(const at::Tensor& input, const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) % 8 == 0, "w must be [N, K] contiguous, K % 8 == 0");
-  auto [x, out_sizes] = as_rows(input, w.size(1), w.size(0));
-  if (w.scalar_type() == at::kFloat) return float_linear_impl<float>(x, w).view(out_sizes);
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16, "w must be float32 or bfloat16");
-  return float_linear_impl<c10::BFloat16>(x, w).view(out_sizes);
-}
-
 // ---------------------------------------------------------------- the small ops of a layer, fused
 // rms norm of one row: x / sqrt(mean(x^2) + eps) * w, the mean summed in double in order
 inline void rms_norm_row(const float* x, const float* w, float* out, int64_t h, double eps) {
@@ -785,7 +759,6 @@ inline float dot(const float* q, const T* k, int64_t d) {
 #endif
 }
 
-template <typename T> float dot_any(const float* q, const T* k, int64_t d) { return dot<T>(q, k, d); }
 
 // out[0..d) += w * v, in place
 template <typename T>
@@ -797,6 +770,74 @@ inline void axpy(float w, const T* v, float* out, int64_t d) {
 #else
   for (int64_t j = 0; j < d; ++j) out[j] += w * Load<T>::one(v + j);
 #endif
+}
+
+// ---------------------------------------------------------------- float32 / bfloat16 weights
+// sums[r] = w . xs[r] for R activation rows sharing each load of the weight row. A row sums over four
+// accumulators (lanes j..j+7 of every 32 values into accumulator j / 8 % 4, a tail of 8s into the first), then
+// (a0 + a1) + (a2 + a3) and the lanes: the same operations for a row whatever R, so its bits do not depend on
+// the rows beside it, and four chains keep the FMA unit busy where one waited for each result.
+template <int R, typename T>
+inline void weight_row_dots(const float* const* xs, const T* w, int64_t k, float* sums) {
+#ifdef KVSCOPE_AVX2
+  __m256 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int a = 0; a < 4; ++a) acc[r][a] = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 32 <= k; j += 32)
+    for (int a = 0; a < 4; ++a) {
+      __m256 wv = Load<T>::v8(w + j + 8 * a);
+      for (int r = 0; r < R; ++r) acc[r][a] = _mm256_fmadd_ps(_mm256_loadu_ps(xs[r] + j + 8 * a), wv, acc[r][a]);
+    }
+  for (; j < k; j += 8) {
+    __m256 wv = Load<T>::v8(w + j);
+    for (int r = 0; r < R; ++r) acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xs[r] + j), wv, acc[r][0]);
+  }
+  for (int r = 0; r < R; ++r)
+    sums[r] = hsum(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3])));
+#else
+  for (int r = 0; r < R; ++r) {
+    float acc = 0.f;
+    for (int64_t j = 0; j < k; ++j) acc = std::fma(xs[r][j], Load<T>::one(w + j), acc);
+    sums[r] = acc;
+  }
+#endif
+}
+
+constexpr int FLOAT_ROWS = 3;  // activation rows a weight row's loads serve at once (their accumulators: 12 registers)
+
+// y[m, n] = w[n] . x[m]
+template <typename T>
+at::Tensor float_linear_impl(const at::Tensor& x, const at::Tensor& w) {
+  int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  auto y = at::empty({m, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const T* wp = w.data_ptr<T>();
+  float* out = y.data_ptr<float>();
+  parallel_chunks(n, grain_for(n), [&](int64_t n0, int64_t n1) {
+    for (int64_t row = n0; row < n1; ++row) {
+      const T* wrow = wp + row * k;
+      for (int64_t i = 0; i < m; i += FLOAT_ROWS) {
+        const float* xs[FLOAT_ROWS];
+        float sums[FLOAT_ROWS];
+        int64_t r = std::min<int64_t>(FLOAT_ROWS, m - i);
+        for (int64_t q = 0; q < r; ++q) xs[q] = xp + (i + q) * k;
+        if (r == 3) weight_row_dots<3>(xs, wrow, k, sums);
+        else if (r == 2) weight_row_dots<2>(xs, wrow, k, sums);
+        else weight_row_dots<1>(xs, wrow, k, sums);
+        for (int64_t q = 0; q < r; ++q) out[(i + q) * n + row] = sums[q];
+      }
+    }
+  });
+  return y;
+}
+
+at::Tensor float_linear(const at::Tensor& input, const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) % 8 == 0, "w must be [N, K] contiguous, K % 8 == 0");
+  auto [x, out_sizes] = as_rows(input, w.size(1), w.size(0));
+  if (w.scalar_type() == at::kFloat) return float_linear_impl<float>(x, w).view(out_sizes);
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16, "w must be float32 or bfloat16");
+  return float_linear_impl<c10::BFloat16>(x, w).view(out_sizes);
 }
 
 // softmax weights of one row in place: e[p] = exp(s[p] - mx) for p <= last, 0 after; returns their sum
