@@ -368,34 +368,30 @@ def test_adaptive_lookup_keeps_the_output_and_measures_plain_steps_first(tiny_en
 PASSAGE = ("The kettle whistled in the small kitchen while the rain kept falling on the roof. Anna poured the water "
            "over the tea leaves, waited three minutes, and carried two cups to the table by the window, where her "
            "brother was still reading the letter that had arrived that morning from their aunt in Lisbon.")
-# the model copies the passage and then copies it again, with slips: about half the drafts are accepted
-REAL_PROMPTS = {"hits": f"Here is a text:\n\n{PASSAGE}\n\nCopy the text above exactly three times, one per paragraph.",
-                "misses": "Write a short poem about the sea."}
+# the model copies the passage and then copies it again, with slips: about half the drafts are accepted, so every
+# strategy both keeps accepted drafts and rolls rejected ones back (mostly rejected drafts, on prose: int4 weights,
+# tests/test_weight_generation.py)
+COPY_PROMPT = f"Here is a text:\n\n{PASSAGE}\n\nCopy the text above exactly three times, one per paragraph."
 
 
 @pytest.mark.default_model
-@pytest.mark.parametrize("kind", list(REAL_PROMPTS))
-def test_greedy_speculation_on_the_real_model_is_token_identical_for_256_tokens_in_every_strategy(default_engine,
-                                                                                                  kind):
+def test_greedy_speculation_on_the_real_model_is_token_identical_for_256_tokens_in_every_strategy(default_engine):
     """Plain greedy runs once per precision (paged for float, paged-int8 for int8: 'none' and 'contiguous' are
     token-identical to paged, tests/test_generation.py); speculation runs in every cached strategy and must match.
     'none' recomputes the whole context per forward (minutes here for 256 tokens): it speculates on the tiny model."""
-    prompt, n = REAL_PROMPTS[kind], 256
+    n = 256
     spec = with_speculation(greedy(n), LOOKUP)
     baseline = {}
     for strategy in ("paged", "paged-int8"):
         default_engine.set_cache(strategy, 16)
-        baseline[strategy], _ = reply_ids(default_engine, prompt, greedy(n))
+        baseline[strategy], _ = reply_ids(default_engine, COPY_PROMPT, greedy(n))
     for strategy in ["contiguous", "paged", "paged-int8"]:  # 'none' speculates on the tiny model above
         default_engine.set_cache(strategy, 16)
-        ids, events = reply_ids(default_engine, prompt, spec)
+        ids, events = reply_ids(default_engine, COPY_PROMPT, spec)
         assert ids == baseline["paged-int8" if strategy == "paged-int8" else "paged"], strategy
         done = events[-1]
-        assert len(ids) == n and done.n_drafted > 0
-        if kind == "hits":
-            assert done.n_accepted > n // 4, f"{strategy}: the passage is repeated, so drafts must hit"
-        else:
-            assert done.n_accepted < done.n_drafted, f"{strategy}: some drafts must be rejected"
+        assert len(ids) == n
+        assert n // 4 < done.n_accepted < done.n_drafted, f"{strategy}: drafts kept and drafts rolled back"
     default_engine.set_cache("paged", 16)
 
 
@@ -413,7 +409,7 @@ def test_the_cli_refuses_a_bad_draft_token_count_before_loading_anything(capsys)
 def test_the_cli_speculates_with_lookup_and_its_json_steps_say_what_each_step_verified():
     from tests.test_cli import chat, records, turns
 
-    args = ("--prompt", REAL_PROMPTS["hits"], "--temperature", "0", "--max-new-tokens", "32", "--json")
+    args = ("--prompt", COPY_PROMPT, "--temperature", "0", "--max-new-tokens", "32", "--json")
     plain = turns(records(chat(*args).stdout))
     spec = turns(records(chat(*args, "--speculative", "lookup", "--draft-tokens", "4").stdout))
     (plain_steps, plain_done), (steps, done) = plain[0], spec[0]

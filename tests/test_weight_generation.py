@@ -88,8 +88,8 @@ def test_the_default_model_in_int4_gives_the_same_256_tokens_in_every_exact_cach
     spec = SamplingParams(**{**greedy(LONG).__dict__,
                              "speculative": SpeculativeConfig("lookup", max_draft_tokens=8, adaptive=False)})
     assert reply(e, "paged", LONG, params=spec) == contiguous
-    recomputed = reply(e, "none", 48)
-    print(f"\nint4 default model: 'none' agrees for {agreement(recomputed, contiguous)} of 48 tokens")
+    recomputed = reply(e, "none", 32)  # measured, not asserted: its prefill path rounds otherwise (docstring)
+    print(f"\nint4 default model: 'none' agrees for {agreement(recomputed, contiguous)} of 32 tokens")
 
 
 @pytest.mark.default_model

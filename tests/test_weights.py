@@ -203,7 +203,7 @@ def test_a_damaged_choice_file_is_measured_again_and_rewritten(tmp_path, monkeyp
 def test_the_real_measurement_times_every_format_on_the_shape_asked():
     from engine.weights.convert import AUTO_CANDIDATES, measure_decode_formats
 
-    timings = measure_decode_formats((64, 64), repeats=3)
+    timings = measure_decode_formats((64, 64), repeats=3, stream_bytes=2**20)
     assert set(timings) == {"float32", "bfloat16", "int8", "int4"} >= set(AUTO_CANDIDATES)
     assert all(t > 0 for t in timings.values())
 
