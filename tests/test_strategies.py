@@ -9,6 +9,7 @@ from engine.chat import Message, prompt_ids
 from engine.config import BLOCK_SIZES, EngineConfig
 from engine.engine import Engine
 from engine.model import LlamaModel
+from tests.conftest import memoized_contiguous_replies
 from tests.engine_helpers import greedy, one_torch_thread, run_turn
 
 LONG = 256  # tokens per default-model run
@@ -124,42 +125,23 @@ def test_a_step_mixing_a_prefill_and_a_decode_matches_separate_steps(tiny_engine
 
 
 # ---- the default model: 256 greedy tokens, token for token --------------------------------------------
-# The fresh contiguous run of each prompt is the reference; it is computed once and shared by the tests.
-# Budget (one thread, loaded 2-core machine): ~15 s per 256-token run, ~2 min for the O(n^2) 'none' run.
+# In int4, the format `auto` picks and users run (the other formats: tests/test_weight_generation.py); 'none' in
+# float32, where its prefill path and the decode kernels round alike. A fresh contiguous run of each prompt is the
+# reference, computed once per session (tests/conftest.py).
 
 SECOND_MESSAGE = "Now write a short poem about that dragon."
 
 
 @pytest.fixture
-def engine(default_engine):
-    yield default_engine
-    default_engine.set_cache("paged", 16)
-
-
-@pytest.fixture(scope="module")
-def contiguous_reply(default_engine):
-    """contiguous_reply(history, message) -> (LONG greedy token ids, the messages after the turn), memoized.
-    A first call switches the shared engine to 'contiguous': ask for references before setting up a strategy."""
-    replies: dict[tuple, tuple[list[int], list[Message]]] = {}
-
-    def get(history: list[Message], message: str) -> tuple[list[int], list[Message]]:
-        key = (tuple((m.role, m.content) for m in history), message)
-        if key not in replies:
-            default_engine.set_cache("contiguous")
-            conv = default_engine.new_conversation()
-            conv.messages = [Message(m.role, m.content) for m in history]
-            tokens = run_turn(default_engine, conv, message, greedy(LONG)).tokens
-            default_engine.forget(conv)
-            replies[key] = tokens, conv.messages
-        return replies[key]
-
-    return get
+def engine(int4_engine):
+    yield int4_engine
+    int4_engine.set_cache("paged", 16)
 
 
 @pytest.mark.default_model
-@pytest.mark.parametrize("block_size", [1, 64])
-def test_greedy_256_tokens_of_paged_are_identical_to_contiguous(engine, contiguous_reply, block_size):
-    expected, _ = contiguous_reply([], PROMPTS["story"])
+@pytest.mark.parametrize("block_size", [1, 32, 64])
+def test_greedy_256_tokens_of_paged_are_identical_to_contiguous(engine, int4_contiguous_reply, block_size):
+    expected, _ = int4_contiguous_reply([], PROMPTS["story"])
     engine.set_cache("paged", block_size)
     got = fresh_reply(engine, PROMPTS["story"], LONG)
     assert len(got) == LONG and len(set(got)) > LONG // 5  # a real text, not a loop of one token
@@ -167,26 +149,28 @@ def test_greedy_256_tokens_of_paged_are_identical_to_contiguous(engine, contiguo
 
 
 @pytest.mark.default_model
-def test_none_recomputes_the_tokens_of_contiguous_greedily_and_at_positions_up_to_256(engine, tokenizer,
-                                                                                        contiguous_reply):
-    expected, _ = contiguous_reply([], PROMPTS["story"])
-    engine.set_cache("none")
-    assert fresh_reply(engine, PROMPTS["story"], NONE_STEPS) == expected[:NONE_STEPS]
-    prompt = prompt_ids(tokenizer, None, [Message("user", PROMPTS["story"])])
-    for t in NONE_SAMPLED:
-        context = prompt + expected[:t]
-        engine.cache.prepare(7, context)
-        try:
-            assert int(engine.step([7], [context])[0].argmax()) == expected[t], t
-        finally:
-            engine.cache.release(7)
+def test_none_recomputes_the_tokens_of_contiguous_greedily_and_at_positions_up_to_256(default_engine, tokenizer):
+    expected, _ = memoized_contiguous_replies(default_engine)([], PROMPTS["story"])  # float32
+    try:
+        default_engine.set_cache("none")
+        assert fresh_reply(default_engine, PROMPTS["story"], NONE_STEPS) == expected[:NONE_STEPS]
+        prompt = prompt_ids(tokenizer, None, [Message("user", PROMPTS["story"])])
+        for t in NONE_SAMPLED:
+            context = prompt + expected[:t]
+            default_engine.cache.prepare(7, context)
+            try:
+                assert int(default_engine.step([7], [context])[0].argmax()) == expected[t], t
+            finally:
+                default_engine.cache.release(7)
+    finally:
+        default_engine.set_cache("paged", 16)
 
 
 @pytest.mark.default_model
 def test_paged_16_matches_contiguous_on_a_first_turn_and_on_a_second_turn_served_from_the_prefix_cache(
-        engine, contiguous_reply):
-    expected_first, history = contiguous_reply([], PROMPTS["story"])  # before the paged turns: it sets the cache
-    expected_second, _ = contiguous_reply(history, SECOND_MESSAGE)
+        engine, int4_contiguous_reply):
+    expected_first, history = int4_contiguous_reply([], PROMPTS["story"])  # before the paged turns: it sets the cache
+    expected_second, _ = int4_contiguous_reply(history, SECOND_MESSAGE)
     engine.set_cache("paged", 16)
     conv = engine.new_conversation()
     first = run_turn(engine, conv, PROMPTS["story"], greedy(LONG))
@@ -201,9 +185,9 @@ def test_paged_16_matches_contiguous_on_a_first_turn_and_on_a_second_turn_served
 
 @pytest.mark.default_model
 def test_batched_decode_of_several_sequences_in_one_paged_pool_matches_each_alone(engine, tokenizer,
-                                                                                  contiguous_reply):
-    story, history = contiguous_reply([], PROMPTS["story"])
-    poem, _ = contiguous_reply(history, SECOND_MESSAGE)
+                                                                                  int4_contiguous_reply):
+    story, history = int4_contiguous_reply([], PROMPTS["story"])
+    poem, _ = int4_contiguous_reply(history, SECOND_MESSAGE)
     story_ids = prompt_ids(tokenizer, None, [Message("user", PROMPTS["story"])])
     poem_ids = prompt_ids(tokenizer, None, [*history, Message("user", SECOND_MESSAGE)])
     engine.set_cache("paged", 16)
@@ -211,4 +195,3 @@ def test_batched_decode_of_several_sequences_in_one_paged_pool_matches_each_alon
     got = greedy_batch(engine, {301: story_ids, 302: poem_ids, 303: story_ids}, LONG // 2)
     assert got == {301: story[:LONG // 2], 302: poem[:LONG // 2], 303: story[:LONG // 2]}
     assert engine.kv_stats().num_blocks_used == 0
-

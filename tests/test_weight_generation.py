@@ -69,20 +69,13 @@ def test_tiny_model_every_exact_cache_gives_the_same_tokens_in_every_format(tiny
         assert recomputed == contiguous[:64]
 
 
-@pytest.fixture(scope="module")
-def int4_engine(default_weights) -> Engine:
-    """The default model in int4, the format `auto` picks here (the GGUF's own Q4_1 integers)."""
-    state = {name: to_format(w, "int4", name) for name, w in default_weights.state_dict.items()}
-    model = LlamaModel.from_hf_state_dict(default_weights.config, state)
-    return Engine(model, default_weights.tokenizer, EngineConfig(cache="paged"))
-
-
 @pytest.mark.default_model
-def test_the_default_model_in_int4_gives_the_same_256_tokens_in_every_exact_cache_batch_and_speculation(int4_engine):
+def test_the_default_model_in_int4_gives_the_same_256_tokens_in_every_exact_cache_batch_and_speculation(
+        int4_engine, int4_contiguous_reply):
     e = int4_engine
-    contiguous = reply(e, "contiguous", LONG)
+    contiguous, _ = int4_contiguous_reply([], PROMPT)
     assert len(contiguous) == LONG and len(set(contiguous)) > 50
-    assert reply(e, "paged", LONG, 8) == contiguous  # blocks of 1, 16, 64: in float32, tests/test_strategies.py
+    assert reply(e, "paged", LONG, 8) == contiguous  # blocks of 1, 16, 32, 64, two turns: tests/test_strategies.py
     assert len(e.cache.layout.sizes) >= 3  # the pool grew over several chunks during the reply
     assert batch_of_two(e, LONG)[1] == contiguous
     spec = SamplingParams(**{**greedy(LONG).__dict__,
