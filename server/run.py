@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import sys
 
 from engine.config import EngineConfig
@@ -27,6 +28,19 @@ def max_body_bytes(flag: int | None, environ, default: int) -> int:
     return limit
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads: a port in use is reported at once, not after the load
+    (OSError: '... Address already in use')."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a restart reuses the port
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def run_serve(args) -> int:
     import uvicorn
 
@@ -44,6 +58,11 @@ def run_serve(args) -> int:
         print(f"kvscope serve: --prefill-rows-while-decoding must be at least 1, not {rows}", file=sys.stderr)
         return 1
     try:
+        sock = listening_socket(args.host, args.port)
+    except OSError as e:
+        print(f"kvscope serve: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    try:
         weights = {"weights": args.weights} if getattr(args, "weights", None) else {}  # default: the engine's auto
         config = EngineConfig(cache=args.cache, block_size=args.block_size or 16, pool_tokens=args.pool_tokens,
                               kv_dtype=getattr(args, "kv_dtype", None), **weights)
@@ -52,6 +71,7 @@ def run_serve(args) -> int:
         engine = Engine.load(args.model, config)
         scheduler = Scheduler(engine, batching)
     except Exception as e:  # noqa: BLE001 - a clear message and an exit code, not a traceback
+        sock.close()
         print(f"kvscope serve: {e}", file=sys.stderr)
         return 1
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
@@ -59,11 +79,14 @@ def run_serve(args) -> int:
               f"port can use the model", file=sys.stderr)
     app = create_app(scheduler, engine.model_name, args.api_key, max_body_bytes=max_body)
     scheduler.start()
+    port = sock.getsockname()[1]  # --port 0: the one the system chose
     print(f"kvscope: serving {engine.model_name} ({engine.cache_strategy}, block size {engine.block_size}, "
-          f"context {engine.max_context}) on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+          f"context {engine.max_context}) on http://{args.host}:{port}", file=sys.stderr, flush=True)
+    config = uvicorn.Config(app, host=args.host, port=port, log_level="warning", timeout_graceful_shutdown=2,
+                            http=JSONErrorH11Protocol)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2,
-                    http=JSONErrorH11Protocol)
+        uvicorn.Server(config).run(sockets=[sock])
     finally:
+        sock.close()
         scheduler.close()
     return 0

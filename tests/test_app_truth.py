@@ -185,7 +185,7 @@ def test_a_status_bar_on_its_own_counts_speculative_tokens_per_step(qtbot):
 def stopped_reply(qtbot, window) -> Recorder:
     recorder = Recorder(window)
     window.send("Please go on for a long time")
-    window.stop()  # cancels the generation asked for: it stops after its first step
+    window.stop()  # cancels the generation asked for: after its first step, or before it if the prefill had begun
     qtbot.waitUntil(lambda: recorder.ended and not window.generating, timeout=120_000)
     recorder.close()
     assert recorder.done[0].finish_reason == "cancelled"
@@ -195,7 +195,7 @@ def stopped_reply(qtbot, window) -> Recorder:
 def test_save_then_open_brings_back_every_footer_including_the_stopped_tag(qtbot, tmp_path, window,
                                                                            tiny_engine_factory):
     send(qtbot, window, "A complete reply")
-    stopped_reply(qtbot, window)
+    done = stopped_reply(qtbot, window).done[0]
     footers = [m.footer.text() for m in window.chat.messages]
     assert "stopped" in footers[-1]
     path = tmp_path / "chat.json"
@@ -205,7 +205,7 @@ def test_save_then_open_brings_back_every_footer_including_the_stopped_tag(qtbot
     assert data["version"] == storage.VERSION == 4  # version 4: turn starts, block-map states, branches (optional)
     reply = data["messages"][-1]["reply"]
     assert reply["finish_reason"] == "cancelled" and reply["strategy"] == "paged"
-    assert reply["n_generated_tokens"] >= 1 and reply["ttft_ms"] > 0
+    assert (reply["n_generated_tokens"], reply["ttft_ms"]) == (done.n_generated_tokens, done.ttft_ms)
 
     other = open_window(qtbot, make_settings(tmp_path / "other"), tiny_engine_factory("paged"))
     try:

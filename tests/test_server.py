@@ -259,6 +259,22 @@ def test_serve_limits_the_body_and_answers_unparsable_http_in_json(model_dir):
         assert head.startswith(b"HTTP/1.1 400") and json.loads(body)["error"]["code"] == "invalid_http_request"
 
 
+def test_a_port_in_use_is_reported_at_once_before_any_model_loads(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "main.py", "serve", "--model", str(tmp_path / "no-such-model"),
+                               "--port", str(port)], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                              text=True, timeout=120)
+    assert done.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in done.stderr  # not the missing model
+
+
 def test_a_port_another_process_took_before_the_server_bound_it_is_retried_on_a_new_port(model_dir):
     import socket
 
