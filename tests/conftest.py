@@ -114,6 +114,26 @@ def default_engine(default_weights) -> Engine:
 
 
 @pytest.fixture(scope="session")
+def english_1024(tokenizer) -> list[int]:
+    from tests.engine_helpers import english_ids
+
+    return english_ids(tokenizer, 1024)
+
+
+@pytest.fixture(scope="session")
+def float32_log_probs(default_engine, english_1024):
+    """[1024, V] teacher-forced log-probabilities of english_1024's next tokens: float32 weights and cache,
+    paged in blocks of 16, 16 tokens a forward. The reference every quality bound (weight formats, KV
+    precisions) is measured against, computed once per session."""
+    from tests.engine_helpers import log_probs
+
+    assert default_engine.weight_format == "float32"
+    default_engine.set_cache("paged", 16)
+    default_engine.set_kv_dtype(None)
+    return log_probs(default_engine, english_1024)
+
+
+@pytest.fixture(scope="session")
 def int4_engine(default_weights) -> Engine:
     """The real default model in int4, the format `auto` picks here (the GGUF's own Q4_1 integers); tests switch
     its strategy with set_cache."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pydoc_data.topics
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -118,3 +119,32 @@ def _collect_storages(obj: object, seen: dict[int, int], visited: set[int]) -> N
     elif hasattr(obj, "__dict__") and not isinstance(obj, type):
         for value in vars(obj).values():
             _collect_storages(value, seen, visited)
+
+
+def english_ids(tokenizer, n: int) -> list[int]:
+    """The first n tokens of real English: the Python language reference as pydoc_data ships it."""
+    topics = pydoc_data.topics.topics
+    text = "\n\n".join(topics[name] for name in sorted(topics))
+    ids = tokenizer.encode(text[: 12 * n], add_special_tokens=False)
+    assert len(ids) >= n
+    return ids[:n]
+
+
+def log_probs(engine, ids: list[int]) -> torch.Tensor:
+    """Teacher-forced log-probabilities [len(ids), V] of each next token, DECODE_ROWS tokens per forward (the
+    decode kernels, as a reply's steps and speculative verification run)."""
+    from engine.weights.linear import DECODE_ROWS
+
+    seq = 7001
+    assert engine.cache.prepare(seq, ids) == 0
+    try:
+        rows = [engine.step([seq], [ids[i:i + DECODE_ROWS]], all_logits=True)[0]
+                for i in range(0, len(ids), DECODE_ROWS)]
+    finally:
+        engine.cache.release(seq)
+    return torch.log_softmax(torch.cat(rows).float(), dim=-1)
+
+
+def kl_and_top1(reference: torch.Tensor, got: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position: KL(reference || got) in nats, and whether their most likely tokens agree."""
+    return (reference.exp() * (reference - got)).sum(-1), reference.argmax(-1) == got.argmax(-1)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pydoc_data.topics
-
 import pytest
 import torch
 
@@ -11,7 +9,7 @@ from engine.kv import quant
 from engine.kv.paged import PagedCache
 from engine.kv.paged_quant import PagedInt8Cache
 from engine.model import LlamaModel
-from tests.engine_helpers import forward_through_cache, one_torch_thread
+from tests.engine_helpers import forward_through_cache, kl_and_top1, log_probs, one_torch_thread
 
 FP16_REL = 2.0**-10  # a float16 scale is within this relative distance of the exact one (with margin)
 
@@ -135,74 +133,38 @@ def test_int8_reads_float_until_a_block_fills_then_quantized_keys(tiny_config):
 
 # ---- the default model on real English text -----------------------------------------------------------
 
-NUM_POSITIONS = 1088  # 17 chunks of 64: over 1,000 teacher-forced next-token distributions
-CHUNK = 64
-# Measured on SmolLM2-135M-Instruct, block size 16, float32 on CPU, 1,088 positions of the Python language
-# reference: mean KL(float || int8) 0.000231 nats (max 0.0114), top-1 agreement 0.9936 (7 of 1,088 differ).
-# The bounds sit a little above those figures; the issue's limits are 0.01 nats and 97%.
+# Measured on SmolLM2-135M-Instruct, float32 weights, blocks of 16, 1,024 positions of the Python language
+# reference teacher-forced 16 at a time (README, KV precision): mean KL(float || int8) ~0.0002-0.0004 nats,
+# top-1 agreement ~99%. The bounds are the issue's: int8 keeps 0.0005 nats and 98.5%.
 MAX_MEAN_KL = 0.0005
 MIN_TOP1 = 0.985
-
-
-def english_ids(tokenizer, n: int) -> list[int]:
-    topics = pydoc_data.topics.topics
-    text = "\n\n".join(topics[name] for name in sorted(topics))
-    ids = tokenizer.encode(text[: 12 * n], add_special_tokens=False)
-    assert len(ids) >= n
-    return ids[:n]
-
-
-def teacher_forced_log_probs(engine, ids: list[int], seq_id: int):
-    """Feed ids through engine.step in chunks; yields log-probabilities [chunk, V] of each next token."""
-    assert engine.cache.prepare(seq_id, ids) == 0
-    try:
-        for start in range(0, len(ids), CHUNK):
-            logits = engine.step([seq_id], [ids[start:start + CHUNK]], all_logits=True)[0]  # [T, V]
-            yield torch.log_softmax(logits.float(), dim=-1)
-    finally:
-        engine.cache.release(seq_id)
-
 
 BOUNDS = {"int8": (MAX_MEAN_KL, MIN_TOP1), "int4": (0.0047, 0.97)}  # the KV precision issue's targets
 
 
-@pytest.fixture(scope="module")
-def float_reference(default_engine, tokenizer):
-    """The English ids and a float32 paged cache's log-probabilities of each next token, chunk by chunk."""
-    ids = english_ids(tokenizer, NUM_POSITIONS)
+def quantized_vs_float(default_engine, english_1024, float32_log_probs, kv: str):
+    """(KL(float || kv) per position, top-1 agreement per position) over 1,024 positions of English."""
     try:
         default_engine.set_cache("paged", 16)
-        return ids, list(teacher_forced_log_probs(default_engine, ids, seq_id=9001))
-    finally:
-        default_engine.set_cache("paged", 16)
-
-
-def quantized_vs_float(default_engine, float_reference, kv: str):
-    """(KL(float || kv) per position, top-1 agreement per position) over NUM_POSITIONS of English."""
-    ids, reference = float_reference
-    try:
         default_engine.set_kv_dtype(kv)
-        kl, agree = [], []
-        for p_log, q_log in zip(reference, teacher_forced_log_probs(default_engine, ids, seq_id=9002)):
-            kl.append((p_log.exp() * (p_log - q_log)).sum(-1))
-            agree.append(p_log.argmax(-1) == q_log.argmax(-1))
+        kl, agree = kl_and_top1(float32_log_probs, log_probs(default_engine, english_1024))
     finally:
         default_engine.set_kv_dtype(None)
         default_engine.set_cache("paged", 16)
-    kl, agree = torch.cat(kl), torch.cat(agree)
     print(f"\n{kv} vs float over {kl.numel()} positions: mean KL {kl.mean():.6f} nats, max {kl.max():.4f}, "
           f"top-1 agreement {agree.float().mean():.4f}")
     return kl, agree
 
 
 @pytest.fixture(scope="module")
-def int8_vs_float(default_engine, float_reference):
-    return quantized_vs_float(default_engine, float_reference, "int8")
+def int8_vs_float(default_engine, english_1024, float32_log_probs):
+    return quantized_vs_float(default_engine, english_1024, float32_log_probs, "int8")
 
 
 @pytest.mark.default_model
-def test_int4_keys_per_channel_with_a_residual_and_a_sink_stay_within_their_bound(default_engine, float_reference):
-    kl, agree = quantized_vs_float(default_engine, float_reference, "int4")
+def test_int4_keys_per_channel_with_a_residual_and_a_sink_stay_within_their_bound(default_engine, english_1024,
+                                                                                   float32_log_probs):
+    kl, agree = quantized_vs_float(default_engine, english_1024, float32_log_probs, "int4")
     max_kl, min_top1 = BOUNDS["int4"]
     assert kl.mean() > 0 and kl.mean() <= max_kl, f"mean KL {kl.mean():.5f} nats"
     assert agree.float().mean() >= min_top1, f"top-1 agreement {agree.float().mean():.4f}"

@@ -14,9 +14,8 @@ from engine import kernels
 from engine.kv import quant
 from engine.kv.attention import KeyMap
 from engine.kv.precision import CONTIGUOUS_GROUP, bytes_per_element
-from tests.engine_helpers import held_storage_bytes, one_torch_thread
+from tests.engine_helpers import english_ids, held_storage_bytes, one_torch_thread
 from tests.test_batch_invariance import PROMPT, decode, same_bits
-from tests.test_int8_quality import english_ids
 
 QUANTIZED = ("int8", "int4")
 SMALL = {"kv_residual": 32, "kv_sink": 8}  # the tiny model's short prompts: a residual and a sink that they pass

@@ -16,8 +16,8 @@ LONG = 256  # tokens per default-model run
 # 'none' recomputes the whole context every step (O(n^2): ~4 min for 256 tokens on a 2-core AMD EPYC): it decodes
 # NONE_STEPS tokens greedily, then takes one step at each of NONE_SAMPLED given the reference's tokens before it,
 # which is what its greedy run computes there whenever the tokens before agree
-NONE_STEPS = 64
-NONE_SAMPLED = (96, 128, 160, 192, 224, LONG - 1)
+NONE_STEPS = 32
+NONE_SAMPLED = (48, 64, 96, 128, 160, 192, 224, LONG - 1)
 
 PROMPTS = {
     "story": "Write a long story about a dragon who learns to bake bread.",
