@@ -59,6 +59,12 @@ def largest_layer_shape(config) -> tuple[int, int]:
     return 2 * config.intermediate_size, config.hidden_size
 
 
+def projection_bytes(config) -> int:
+    """float32 bytes of every decoder layer's projections: what one decode step streams."""
+    attention = config.hidden_size * config.head_dim * (2 * config.num_heads + 2 * config.num_kv_heads)
+    return 4 * config.num_layers * (attention + 3 * config.hidden_size * config.intermediate_size)
+
+
 def make_cache(strategy: str, engine: Engine, block_size: int, pool_tokens: int | None) -> KVCache:
     """The engine's own cache: its precision, its budget, its prefix-reuse switch."""
     budget = engine.config.kv_budget_mib
@@ -102,7 +108,8 @@ class Engine:
         fmt = None if config.weights == "auto" else config.weights
         weights = loader.load_weights(model, progress, fmt)
         if config.weights == "auto":
-            fmt = resolve_auto(pick_device(config.device), largest_layer_shape(weights.config), loader.cache_root())
+            fmt = resolve_auto(pick_device(config.device), largest_layer_shape(weights.config), loader.cache_root(),
+                               projection_bytes(weights.config))
             weights.state_dict = to_auto_format(weights.state_dict, fmt, weights.gguf_types)
             config = EngineConfig(**{**config.__dict__, "weights": fmt})
         max_positions = min(config.max_context or weights.config.max_position_embeddings,
@@ -120,7 +127,8 @@ class Engine:
 
     def _apply_weight_format(self, fmt: str | None) -> str:
         if fmt == "auto":
-            fmt = resolve_auto(self.device, largest_layer_shape(self.model.config), None)
+            fmt = resolve_auto(self.device, largest_layer_shape(self.model.config), None,
+                               projection_bytes(self.model.config))
         if fmt is not None:
             apply_format(self.model, fmt)
         return self.model.weight_format

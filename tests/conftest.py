@@ -13,7 +13,11 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs one worker per core: one torch thread each
     os.environ["OMP_NUM_THREADS"] = "1"
 
-from engine import loader  # noqa: E402
+from engine import kernels, loader  # noqa: E402
+
+# every test, and every process a test starts, uses the kernels built for this checkout, also where a test points
+# KVSCOPE_CACHE_DIR at a fresh folder (a build there costs 30-60 s)
+os.environ.setdefault("KVSCOPE_KERNELS_DIR", str(kernels.build_dir()))
 from engine.config import EngineConfig, ModelConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.model import LlamaModel  # noqa: E402

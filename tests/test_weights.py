@@ -177,15 +177,18 @@ def test_auto_is_the_fastest_measured_candidate_and_is_remembered_for_this_machi
 
     measured = []
 
-    def measure(shape):
-        measured.append(shape)
+    def measure(shape, stream_bytes):
+        measured.append((shape, stream_bytes))
         return {"float32": 90.0, "bfloat16": 50.0, "int8": 10.0, "int4": 30.0}  # int8 is no candidate
 
     monkeypatch.setattr(convert, "measure_decode_formats", measure)
     cpu = torch.device("cpu")
     assert convert.resolve_auto(cpu, (1536, 576), tmp_path) == "int4"
-    assert convert.resolve_auto(cpu, (1536, 576), tmp_path) == "int4" and measured == [(1536, 576)]
+    assert convert.resolve_auto(cpu, (1536, 576), tmp_path) == "int4"
+    assert measured == [((1536, 576), convert.STREAM_BYTES)]  # a model's bytes stream at most STREAM_BYTES
     assert convert.resolve_auto(cpu, (64, 64), tmp_path) == "int4" and len(measured) == 2  # another shape: measured
+    assert convert.resolve_auto(cpu, (64, 64), tmp_path, 300_000) == "int4"  # a tiny model: its own bytes
+    assert measured[-1] == ((64, 64), 300_000)
     assert convert.resolve_auto(torch.device("cuda"), (64, 64), tmp_path) == "bfloat16"
     assert [p.name for p in tmp_path.iterdir()] == [convert.CHOICE_FILE]  # no temp file left behind
 
@@ -194,8 +197,8 @@ def test_a_damaged_choice_file_is_measured_again_and_rewritten(tmp_path, monkeyp
     from engine.weights import convert
 
     (tmp_path / convert.CHOICE_FILE).write_text("{ not json")
-    monkeypatch.setattr(convert, "measure_decode_formats", lambda shape: {"float32": 1.0, "bfloat16": 2.0,
-                                                                          "int8": 3.0, "int4": 4.0})
+    monkeypatch.setattr(convert, "measure_decode_formats", lambda shape, stream_bytes: {
+        "float32": 1.0, "bfloat16": 2.0, "int8": 3.0, "int4": 4.0})
     assert convert.resolve_auto(torch.device("cpu"), (8, 8), tmp_path) == "float32"
     assert "float32" in (tmp_path / convert.CHOICE_FILE).read_text()
 

@@ -103,19 +103,25 @@ def apply_format(model: nn.Module, fmt: str) -> None:
 
 
 # ---- auto
-def resolve_auto(device: torch.device, shape: tuple[int, int], cache_dir: Path | None) -> str:
+STREAM_BYTES = 256 * 2**20  # float32 bytes a measurement streams at most: more than the processor's caches
+
+
+def resolve_auto(device: torch.device, shape: tuple[int, int], cache_dir: Path | None,
+                 stream_bytes: int = STREAM_BYTES) -> str:
     """The format `auto` stands for on this machine: on CUDA bfloat16 (native half precision; the int kernels
     are not verified on a GPU here), on CPU the fastest decode among the formats that pass the quality tests
-    (AUTO_CANDIDATES), measured once on the model's largest per-layer projection shape and remembered per CPU,
-    torch and threads."""
+    (AUTO_CANDIDATES), measured once on the model's largest per-layer projection shape, streaming as many float32
+    bytes as the model's projections hold (at most STREAM_BYTES: a small model's weights stay in the caches, a
+    big one's do not), and remembered per CPU, torch and threads."""
     if device.type != "cpu":
         return "bfloat16"
+    stream_bytes = max(1, min(stream_bytes, STREAM_BYTES))
     key = f"{cpu_model()}|torch {torch.__version__}|threads {torch.get_num_threads()}|{shape[0]}x{shape[1]}" \
-          f"|{kernels.TAG if kernels.available() else 'torch kernels'}"  # new kernels: measured again
+          f"|{stream_bytes >> 10} KiB|{kernels.TAG if kernels.available() else 'torch kernels'}"  # new kernels: again
     remembered = _read_choices(cache_dir)
     if key in remembered:
         return remembered[key]["choice"]
-    timings = measure_decode_formats(shape)
+    timings = measure_decode_formats(shape, stream_bytes=stream_bytes)
     choice = fastest_or_smallest(timings)
     remembered[key] = {"choice": choice, "decode_us": timings}
     _write_choices(cache_dir, remembered)
@@ -134,7 +140,7 @@ def fastest_or_smallest(timings: dict[str, float]) -> str:
 
 
 def measure_decode_formats(shape: tuple[int, int], repeats: int = 15,
-                           stream_bytes: int = 256 * 2**20) -> dict[str, float]:
+                           stream_bytes: int = STREAM_BYTES) -> dict[str, float]:
     """Microseconds of one decode row through a random [N, K] weight in each format: the fastest of `repeats`
     passes, since other work on a shared machine only ever adds time (a median taken under load once measured
     int4 30x slower than it runs and made `auto` pick float32). The weight is repeated until its float32 copies
