@@ -65,6 +65,11 @@ def projection_bytes(config) -> int:
     return 4 * config.num_layers * (attention + 3 * config.hidden_size * config.intermediate_size)
 
 
+def auto_weight_format(device: torch.device, config, cache_dir) -> str:
+    """What `auto` stands for with this model on this device (engine/weights/convert.py: resolve_auto)."""
+    return resolve_auto(device, largest_layer_shape(config), cache_dir, projection_bytes(config))
+
+
 def make_cache(strategy: str, engine: Engine, block_size: int, pool_tokens: int | None) -> KVCache:
     """The engine's own cache: its precision, its budget, its prefix-reuse switch."""
     budget = engine.config.kv_budget_mib
@@ -108,8 +113,7 @@ class Engine:
         fmt = None if config.weights == "auto" else config.weights
         weights = loader.load_weights(model, progress, fmt)
         if config.weights == "auto":
-            fmt = resolve_auto(pick_device(config.device), largest_layer_shape(weights.config), loader.cache_root(),
-                               projection_bytes(weights.config))
+            fmt = auto_weight_format(pick_device(config.device), weights.config, loader.cache_root())
             weights.state_dict = to_auto_format(weights.state_dict, fmt, weights.gguf_types)
             config = EngineConfig(**{**config.__dict__, "weights": fmt})
         max_positions = min(config.max_context or weights.config.max_position_embeddings,
@@ -127,8 +131,7 @@ class Engine:
 
     def _apply_weight_format(self, fmt: str | None) -> str:
         if fmt == "auto":
-            fmt = resolve_auto(self.device, largest_layer_shape(self.model.config), None,
-                               projection_bytes(self.model.config))
+            fmt = auto_weight_format(self.device, self.model.config, None)
         if fmt is not None:
             apply_format(self.model, fmt)
         return self.model.weight_format

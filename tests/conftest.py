@@ -141,11 +141,9 @@ def float32_log_probs(default_engine, english_1024):
 def int4_engine(default_weights) -> Engine:
     """The real default model in int4, the format `auto` picks here (the GGUF's own Q4_1 integers); tests switch
     its strategy with set_cache."""
-    from engine.weights.convert import to_format
+    from tests.engine_helpers import engine_in_format
 
-    state = {name: to_format(w, "int4", name) for name, w in default_weights.state_dict.items()}
-    model = LlamaModel.from_hf_state_dict(default_weights.config, state)
-    return Engine(model, default_weights.tokenizer, EngineConfig(cache="paged"), default_weights.name)
+    return engine_in_format(default_weights, "int4")
 
 
 @pytest.fixture(scope="session")
@@ -153,28 +151,9 @@ def int4_contiguous_reply(int4_engine):
     """int4_contiguous_reply(history, message, n=256) -> (n greedy token ids of a fresh `contiguous` turn, the
     messages after it), memoized for the session: the reference the exact caches are held to. A first call
     switches the shared int4 engine to 'contiguous': ask for references before setting up a strategy."""
+    from tests.engine_helpers import memoized_contiguous_replies
+
     return memoized_contiguous_replies(int4_engine)
-
-
-def memoized_contiguous_replies(engine: Engine):
-    from engine.chat import Message
-    from tests.engine_helpers import greedy, run_turn
-
-    replies: dict[tuple, tuple[list[int], list]] = {}
-
-    def get(history: list, message: str, n: int = 256) -> tuple[list[int], list]:
-        key = (tuple((m.role, m.content) for m in history), message, n)
-        if key not in replies:
-            engine.set_cache("contiguous")
-            conv = engine.new_conversation()
-            conv.messages = [Message(m.role, m.content) for m in history]
-            try:
-                replies[key] = run_turn(engine, conv, message, greedy(n)).tokens, conv.messages
-            finally:
-                engine.forget(conv)
-        return replies[key]
-
-    return get
 
 
 @pytest.fixture

@@ -148,3 +148,37 @@ def log_probs(engine, ids: list[int]) -> torch.Tensor:
 def kl_and_top1(reference: torch.Tensor, got: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per position: KL(reference || got) in nats, and whether their most likely tokens agree."""
     return (reference.exp() * (reference - got)).sum(-1), reference.argmax(-1) == got.argmax(-1)
+
+
+def engine_in_format(weights, fmt: str):
+    """A paged engine on loaded weights (engine.loader.load_weights) converted to the weight format fmt."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.model import LlamaModel
+    from engine.weights.convert import to_format
+
+    state = {name: to_format(w, fmt, name) for name, w in weights.state_dict.items()}
+    model = LlamaModel.from_hf_state_dict(weights.config, state)
+    return Engine(model, weights.tokenizer, EngineConfig(cache="paged"), weights.name)
+
+
+def memoized_contiguous_replies(engine):
+    """get(history, message, n=256) -> (n greedy token ids of a fresh `contiguous` turn on engine, the messages
+    after it), each computed once."""
+    from engine.chat import Message
+
+    replies: dict[tuple, tuple[list[int], list]] = {}
+
+    def get(history: list, message: str, n: int = 256) -> tuple[list[int], list]:
+        key = (tuple((m.role, m.content) for m in history), message, n)
+        if key not in replies:
+            engine.set_cache("contiguous")
+            conv = engine.new_conversation()
+            conv.messages = [Message(m.role, m.content) for m in history]
+            try:
+                replies[key] = run_turn(engine, conv, message, greedy(n)).tokens, conv.messages
+            finally:
+                engine.forget(conv)
+        return replies[key]
+
+    return get

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import kernels, loader
+from engine import loader
 from engine.config import ModelConfig
 from engine.model import LlamaModel, random_hf_state_dict
 from engine.weights.convert import to_auto_format
@@ -69,7 +69,6 @@ def test_a_load_converts_in_place_and_the_model_consumes_what_it_was_given():
 
 
 def test_a_start_from_the_cache_imports_neither_transformers_nor_gguf_nor_dynamo(tmp_path, monkeypatch):
-    built = kernels.build_dir()  # the kernels this session built (a new cache would build them again: ~35 s)
     cache = tmp_path / "cache"
     monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(cache))
     path, _ = write_tiny_gguf(tmp_path / "tiny.gguf")
@@ -79,6 +78,5 @@ def test_a_start_from_the_cache_imports_neither_transformers_nor_gguf_nor_dynamo
               "print(sorted({m.split('.')[0] for m in sys.modules} & {'transformers', 'gguf'}), "
               "'torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, cwd=ROOT,
-                         env={**os.environ, "KVSCOPE_CACHE_DIR": str(cache), "KVSCOPE_KERNELS_DIR": str(built)},
-                         timeout=300)
+                         env={**os.environ, "KVSCOPE_CACHE_DIR": str(cache)}, timeout=300)  # kernels: conftest
     assert out.stdout.split() == ["[]", "False"], out.stderr[-2000:]

@@ -9,8 +9,7 @@ from engine.chat import Message, prompt_ids
 from engine.config import BLOCK_SIZES, EngineConfig
 from engine.engine import Engine
 from engine.model import LlamaModel
-from tests.conftest import memoized_contiguous_replies
-from tests.engine_helpers import greedy, one_torch_thread, run_turn
+from tests.engine_helpers import greedy, memoized_contiguous_replies, one_torch_thread, run_turn
 
 LONG = 256  # tokens per default-model run
 # 'none' recomputes the whole context every step (O(n^2): ~4 min for 256 tokens on a 2-core AMD EPYC): it decodes

@@ -15,8 +15,7 @@ from engine.chat import Message, prompt_ids
 from engine.config import EngineConfig, SamplingParams, SpeculativeConfig
 from engine.engine import Engine
 from engine.model import LlamaModel
-from engine.weights.convert import to_format
-from tests.engine_helpers import greedy, one_torch_thread, run_turn
+from tests.engine_helpers import engine_in_format, greedy, one_torch_thread, run_turn
 from tests.test_strategies import greedy_batch
 
 LONG = 256
@@ -89,8 +88,6 @@ def test_the_default_model_in_int4_gives_the_same_256_tokens_in_every_exact_cach
 @pytest.mark.parametrize("fmt", ["bfloat16", "int8"])
 def test_the_default_model_gives_the_same_256_tokens_in_contiguous_and_paged_in_other_formats(default_weights,
                                                                                                fmt):
-    state = {name: to_format(w, fmt, name) for name, w in default_weights.state_dict.items()}
-    engine = Engine(LlamaModel.from_hf_state_dict(default_weights.config, state), default_weights.tokenizer,
-                    EngineConfig(cache="paged"))
+    engine = engine_in_format(default_weights, fmt)
     assert engine.weight_format == fmt
     assert reply(engine, "paged", LONG, 16) == reply(engine, "contiguous", LONG)

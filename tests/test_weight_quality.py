@@ -6,11 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.model import LlamaModel
-from engine.weights.convert import to_format
-from tests.engine_helpers import kl_and_top1, log_probs, one_torch_thread
+from tests.engine_helpers import engine_in_format, kl_and_top1, log_probs, one_torch_thread
 
 # The bounds: int8 <= 0.002 nats, top-1 >= 98%; int4 from the file's own Q4_1 blocks <= 0.0005 nats.
 # Measured on 1,024 positions (README, weight formats): int4 0.000001 nats, top-1 100%; bfloat16 0.000051, 99.7%;
@@ -33,9 +29,7 @@ def _one_thread():
 @pytest.mark.default_model
 @pytest.mark.parametrize("fmt", list(BOUNDS))
 def test_each_weight_format_stays_close_to_float32(default_weights, english_1024, float32_log_probs, fmt):
-    state = {name: to_format(w, fmt, name) for name, w in default_weights.state_dict.items()}
-    model = LlamaModel.from_hf_state_dict(default_weights.config, state)
-    engine = Engine(model, default_weights.tokenizer, EngineConfig(cache="paged"))
+    engine = engine_in_format(default_weights, fmt)
     assert engine.weight_format == fmt
     if fmt == "int4":  # the file's own Q4_1 integers, not a requantization
         down = default_weights.state_dict["model.layers.3.mlp.down_proj.weight"]
