@@ -6,6 +6,8 @@ import torch
 
 from engine.config import SamplingParams
 
+FIRST_CANDIDATES = 64  # top-p without top-k: the most likely tokens looked at first (x4 until they reach p)
+
 
 class Sampler:
     def __init__(self, params: SamplingParams, device: torch.device):
@@ -22,21 +24,55 @@ class Sampler:
         logits = apply_repetition_penalty(logits, history, self.params.repetition_penalty)
         if self.params.greedy:
             return int(logits.argmax())
-        probs = self._filtered_probs(logits.float().cpu() / self.params.temperature)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        ids, probs = self.candidates(logits.float().cpu() / self.params.temperature)
+        return int(ids[draw(probs, self.generator)])
 
-    def _filtered_probs(self, logits: torch.Tensor) -> torch.Tensor:
+    def candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [V] (divided by the temperature) -> (ids [n], probs [n]): the tokens top-k and top-p keep (most
+        likely first; every token, in id order, when neither filters) and their renormalized probabilities. Only
+        the kept tokens are sorted: sorting all of a 49,152-token vocabulary took 4 ms a token, a fifth of a
+        decode step."""
         p = self.params
         if p.top_k and p.top_k < logits.numel():
-            kth = torch.topk(logits, p.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
+            top, ids = torch.topk(logits, p.top_k)  # sorted, most likely first
+            if int((logits >= top[-1]).sum()) > p.top_k:  # ties with the k-th are kept too
+                ids = torch.nonzero(logits >= top[-1]).squeeze(1)
+                top, order = logits[ids].sort(descending=True)
+                ids = ids[order]
+            probs = torch.softmax(top, dim=-1)
+        elif p.top_p < 1.0:
+            probs, ids = most_likely_reaching(torch.softmax(logits, dim=-1), p.top_p)
+        else:
+            return torch.arange(logits.numel()), torch.softmax(logits, dim=-1)
         if p.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            before = sorted_probs.cumsum(0) - sorted_probs  # mass of the tokens ranked above
-            sorted_probs[before >= p.top_p] = 0.0
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        return probs / probs.sum()
+            before = probs.cumsum(0) - probs  # mass of the tokens ranked above
+            keep = before < p.top_p
+            probs, ids = probs[keep], ids[keep]
+        return ids, probs / probs.sum()
+
+    def distribution(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [V] (divided by the temperature) -> [V] the probabilities plain sampling draws from."""
+        ids, probs = self.candidates(logits)
+        return torch.zeros(logits.numel(), dtype=probs.dtype).index_put_((ids,), probs)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """An index drawn from probs [n] (>= 0, normalized by their sum) by inverting the cumulative sum with one uniform
+    number: torch.multinomial took 2.7 ms for a 49,152-token vocabulary."""
+    cdf = probs.cumsum(0)
+    u = torch.rand((), generator=generator) * cdf[-1]
+    return min(int(torch.searchsorted(cdf, u, right=True)), probs.numel() - 1)
+
+
+def most_likely_reaching(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """probs [V] -> (probs [n], ids [n]) of the n most likely tokens, sorted, with n large enough that their mass
+    reaches top_p (or n = V)."""
+    n = min(FIRST_CANDIDATES, probs.numel())
+    while True:
+        top, ids = torch.topk(probs, n)
+        if n == probs.numel() or float(top.cumsum(0)[-1]) >= top_p:  # as candidates() sums them
+            return top, ids
+        n = min(4 * n, probs.numel())
 
 
 def apply_repetition_penalty(logits: torch.Tensor, history: list[int], penalty: float) -> torch.Tensor:

@@ -27,7 +27,7 @@ import torch
 
 from engine.config import ConfigError, SpeculativeConfig
 from engine.kv.base import KVCacheFull
-from engine.sampler import Sampler, apply_repetition_penalty
+from engine.sampler import Sampler, apply_repetition_penalty, draw
 
 
 # ---- drafters -----------------------------------------------------------------------------------------------
@@ -109,7 +109,7 @@ class DraftModelDrafter(Drafter):
         if params.greedy:
             return int(apply_repetition_penalty(logits, history, params.repetition_penalty).argmax()), None
         q = target_probs(self.sampler, logits, history)
-        return int(torch.multinomial(q, 1, generator=self.generator)), q
+        return draw(q, self.generator), q
 
 
 def make_drafter(config: SpeculativeConfig, engine, seq_id: int) -> Drafter:
@@ -129,7 +129,7 @@ def target_probs(sampler: Sampler, logits: torch.Tensor, history: list[int]) -> 
     """The distribution plain sampling draws from after `history`: [V] float32 on the CPU."""
     p = sampler.params
     penalized = apply_repetition_penalty(logits, history, p.repetition_penalty)
-    return sampler._filtered_probs(penalized.float().cpu() / p.temperature)  # the very same top-k / top-p code
+    return sampler.distribution(penalized.float().cpu() / p.temperature)  # the very same top-k / top-p code
 
 
 def judge(sampler: Sampler, logits: torch.Tensor, history: list[int], draft: int,
@@ -153,7 +153,7 @@ def judge(sampler: Sampler, logits: torch.Tensor, history: list[int], draft: int
         residual = (residual - q).clamp_min_(0.0)
     if float(residual.sum()) <= 0.0:  # p <= q everywhere: only possible when p == q, so any draw from p is right
         residual = target
-    return int(torch.multinomial(residual / residual.sum(), 1, generator=sampler.generator))
+    return draw(residual, sampler.generator)  # draw() normalizes by the sum
 
 
 # ---- when speculation pays ------------------------------------------------------------------------------------
