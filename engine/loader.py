@@ -244,16 +244,20 @@ def stored_tensors(state: dict[str, torch.Tensor | QuantizedWeight]) -> dict[str
 
 
 def _load_tokenizer(folder: Path, converted: bool = False):
-    """A converted GGUF's tokenizer through `tokenizers` and jinja2 (engine/tokenizer.py); a Hugging Face folder's,
-    or one that differed from transformers on the probes, through transformers."""
-    from engine.tokenizer import Tokenizer, TokenizerError, TokenizerSettings, check_and_save
+    """The tokenizer through `tokenizers` and jinja2 (engine/tokenizer.py) once its settings were checked against
+    transformers: a converted GGUF's settings in its folder, a Hugging Face folder's in the cache under a digest
+    of its tokenizer files (checked at the first load, ~6 s of importing transformers that later loads skip). A
+    folder without tokenizer.json, or whose tokenizer differed from transformers on the probes, goes through
+    transformers."""
+    from engine.tokenizer import SETTINGS_FILE, Tokenizer, TokenizerError, TokenizerSettings, check_and_save, folder_key
 
-    if not converted or not (folder / "tokenizer.json").is_file():
+    if not (folder / "tokenizer.json").is_file():
         return _transformers_tokenizer(folder)
-    settings = TokenizerSettings.read(folder)
-    if settings is None:  # converted before kvscope-tokenizer.json existed: checked once against transformers
+    place, name = (folder, SETTINGS_FILE) if converted else (cache_root() / "tokenizers", f"{folder_key(folder)}.json")
+    settings = TokenizerSettings.read(place, name)
+    if settings is None:  # first seen (or converted before kvscope-tokenizer.json existed): checked once
         reference = _transformers_tokenizer(folder)
-        settings = check_and_save(folder, reference)
+        settings = check_and_save(folder, reference, place, name)
         if not settings.matches_transformers:
             return reference
     if not settings.matches_transformers:

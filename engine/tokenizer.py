@@ -2,9 +2,11 @@
 through jinja2 (engine/chat_template.py), the special tokens and decoding rule from kvscope-tokenizer.json.
 
 transformers is imported once, when a GGUF is converted (or a cache converted before this file existed is first
-opened): it reads the GGUF's tokenizer, and `settings_from` records what its tokenizer object says (special
-tokens, template, whether decode cleans up spaces) after checking on probe texts that this class gives the same
-token ids, text and prompt. A tokenizer that differs on a probe is marked and keeps going through transformers.
+opened), or when a Hugging Face folder's tokenizer files are first seen: it reads the tokenizer, and
+`settings_from` records what its tokenizer object says (special tokens, template, whether decode cleans up spaces)
+after checking on probe texts that this class gives the same token ids, text and prompt. A converted folder keeps
+them in its own kvscope-tokenizer.json; a Hugging Face folder (the user's files) in the cache, under a digest of
+its tokenizer files. A tokenizer that differs on a probe is marked and keeps going through transformers.
 """
 
 from __future__ import annotations
@@ -33,16 +35,16 @@ class TokenizerSettings:
     matches_transformers: bool = True  # every probe gave transformers' ids, text and prompt
     version: int = SETTINGS_VERSION
 
-    def save(self, folder: Path) -> None:
-        tmp = folder / f".{SETTINGS_FILE}.tmp"
+    def save(self, folder: Path, name: str = SETTINGS_FILE) -> None:
+        tmp = folder / f".{name}.tmp"
         tmp.write_text(json.dumps(asdict(self), indent=1, ensure_ascii=False))
-        tmp.replace(folder / SETTINGS_FILE)
+        tmp.replace(folder / name)
 
     @staticmethod
-    def read(folder: Path) -> TokenizerSettings | None:
+    def read(folder: Path, name: str = SETTINGS_FILE) -> TokenizerSettings | None:
         """None when the file is missing, unreadable or of another version."""
         try:
-            raw = json.loads((folder / SETTINGS_FILE).read_text())
+            raw = json.loads((folder / name).read_text())
             if raw.get("version") != SETTINGS_VERSION:
                 return None
             return TokenizerSettings(**raw)
@@ -170,17 +172,42 @@ def settings_from(reference) -> TokenizerSettings:
     return TokenizerSettings(special, template, cleans)
 
 
-def check_and_save(folder: Path, reference) -> TokenizerSettings:
+def check_and_save(folder: Path, reference, into: Path | None = None, name: str = SETTINGS_FILE) -> TokenizerSettings:
     """Settings for the tokenizer files in folder, from the transformers tokenizer `reference` and checked against
-    it on the probes, written to folder/kvscope-tokenizer.json (a read-only folder: checked again next time)."""
+    it on the probes, written to into/name (default: folder/kvscope-tokenizer.json; a read-only place: checked
+    again next time)."""
     settings = settings_from(reference)
     found = differences(reference, Tokenizer.from_folder(folder, settings))
     if found:
         settings = TokenizerSettings(settings.special_tokens, settings.chat_template, settings.clean_up_spaces,
                                      matches_transformers=False)
     with contextlib.suppress(OSError):
-        settings.save(folder)
+        (into or folder).mkdir(parents=True, exist_ok=True)
+        settings.save(into or folder, name)
     return settings
+
+
+# what transformers' AutoTokenizer may read from a Hugging Face folder: the settings checked for a folder hold
+# while none of these changed (their bytes are the key)
+TOKENIZER_INPUTS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                    "chat_template.jinja", "chat_template.json", "config.json", "vocab.json", "vocab.txt",
+                    "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
+
+
+def folder_key(folder: Path) -> str:
+    """A digest of the folder's tokenizer inputs (names and bytes, additional chat templates included), of this
+    settings version and of the installed transformers: the name its checked settings are kept under."""
+    import hashlib
+    import importlib.metadata
+
+    digest = hashlib.sha256(f"v{SETTINGS_VERSION} transformers {importlib.metadata.version('transformers')}".encode())
+    extra = folder / "additional_chat_templates"
+    paths = [folder / n for n in TOKENIZER_INPUTS] + (sorted(extra.glob("*")) if extra.is_dir() else [])
+    for path in paths:
+        if path.is_file():
+            digest.update(f"\0{path.relative_to(folder)}\0{path.stat().st_size}\0".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:32]
 
 
 def differences(reference, ours: Tokenizer) -> list[str]:

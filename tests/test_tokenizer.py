@@ -238,3 +238,56 @@ def test_a_saved_tokenizer_loads_in_transformers_with_the_same_ids(tmp_path, def
     theirs = transformers_tokenizer(tmp_path / "saved")
     for system, turns in CONVERSATIONS:
         assert prompt_ids(theirs, system, messages(turns)) == prompt_ids(ours, system, messages(turns))
+
+
+# ---- a Hugging Face folder -----------------------------------------------------------------------------------
+
+def hf_folder(tmp_path: Path, tokenizer) -> Path:
+    from serve_helpers import write_tiny_model
+
+    folder = write_tiny_model(tmp_path / "hf-model", tokenizer)
+    (folder / SETTINGS_FILE).unlink()  # a downloaded folder has none; kvscope never writes into it
+    return folder
+
+
+def loaded_in_a_new_process(folder: Path, cache: Path) -> list[str]:
+    script = ("import sys; from engine import loader; w = loader.load_weights(sys.argv[1]); "
+              "print(type(w.tokenizer).__name__, sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))")
+    out = subprocess.run([sys.executable, "-c", script, str(folder)], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "KVSCOPE_CACHE_DIR": str(cache)}, timeout=300)
+    return out.stdout.split() or [out.stderr[-2000:]]
+
+
+def test_a_hugging_face_folder_is_checked_once_and_later_starts_never_import_transformers(
+        tmp_path, private_cache, tokenizer):
+    folder = hf_folder(tmp_path, tokenizer)
+    files = sorted(p.name for p in folder.iterdir())
+    assert type(loader.load_weights(str(folder)).tokenizer) is Tokenizer  # checked against transformers
+    (kept,) = (private_cache / "tokenizers").iterdir()
+    assert json.loads(kept.read_text())["matches_transformers"] is True
+    assert sorted(p.name for p in folder.iterdir()) == files  # the user's folder is left as it was
+    assert loaded_in_a_new_process(folder, private_cache) == ["Tokenizer", "[]"]
+
+
+def test_a_changed_tokenizer_file_is_checked_again(tmp_path, private_cache, tokenizer):
+    folder = hf_folder(tmp_path, tokenizer)
+    loader.load_weights(str(folder))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    (folder / "chat_template.jinja").write_text(template)
+    reloaded = loader.load_weights(str(folder)).tokenizer
+    assert type(reloaded) is Tokenizer and reloaded.chat_template == template
+    assert len(list((private_cache / "tokenizers").iterdir())) == 2
+
+
+def test_a_hugging_face_tokenizer_that_differs_on_a_probe_keeps_going_through_transformers(
+        tmp_path, private_cache, tokenizer, monkeypatch):
+    import engine.tokenizer
+
+    monkeypatch.setattr(engine.tokenizer, "differences", lambda reference, ours: ["encode('x'): [1] vs [2]"])
+    folder = hf_folder(tmp_path, tokenizer)
+    for _ in range(2):  # checked, then remembered
+        assert "transformers" in type(loader.load_weights(str(folder)).tokenizer).__module__
+    (kept,) = (private_cache / "tokenizers").iterdir()
+    assert json.loads(kept.read_text())["matches_transformers"] is False
