@@ -162,7 +162,7 @@ last_saved: dict = {}  # describe() of the last figure saved: what tests check a
 def describe(fig) -> dict:
     """What a drawn figure shows, per axes: its labelled series and their colours, the x tick values and
     whether any two x tick labels, or the legend and a series, overlap on the canvas."""
-    fig.canvas.draw()
+    fig.draw_without_rendering()  # the layout, no pixels (the PNG is written already)
     renderer = fig.canvas.get_renderer()
     return {"axes": [_describe_axes(ax, renderer) for ax in fig.axes]}
 
