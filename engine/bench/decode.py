@@ -10,6 +10,7 @@ from engine.kv.precision import PRECISIONS, bytes_per_token
 
 CONTEXTS = (16, 512, 2048, 4096, 8192)
 QUICK_CONTEXTS = (16, 512, 2048)
+TINY_CONTEXTS = (16, 256)  # --tiny: every code path, on a random model whose figures mean nothing
 STEPS, QUICK_STEPS = 32, 16
 CACHED_STRATEGIES = ("contiguous", "paged", "paged-int8")
 WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "int4")  # 'paged' with each format beside the auto one
@@ -26,7 +27,8 @@ METHOD = (
 
 def run(ctx: BenchContext, quick: bool) -> dict:
     steps = QUICK_STEPS if quick else STEPS
-    requested, limit = QUICK_CONTEXTS if quick else CONTEXTS, ctx.engine.max_context - steps - 1
+    requested = TINY_CONTEXTS if ctx.tiny else QUICK_CONTEXTS if quick else CONTEXTS
+    limit = ctx.engine.max_context - steps - 1
     contexts = clamp_contexts(requested, limit)
     ids = random_ids(max(contexts) + steps + 1, ctx.engine.model_config.vocab_size)
     runners, notes = make_peers(ctx, contexts, steps, max(contexts) + steps + 8)

@@ -6,6 +6,7 @@ from engine.bench import peers, report
 from engine.bench.common import BenchContext, bar, median, random_ids
 
 LENGTHS = (128, 512, 2048)
+TINY_LENGTHS = (64, 256)  # --tiny: every code path, on a random model whose figures mean nothing
 REPEATS, QUICK_REPEATS = 3, 1
 
 METHOD = (
@@ -18,10 +19,11 @@ METHOD = (
 
 def run(ctx: BenchContext, quick: bool) -> dict:
     repeats = QUICK_REPEATS if quick else REPEATS
+    lengths = TINY_LENGTHS if ctx.tiny else LENGTHS
     vocab = ctx.engine.model_config.vocab_size
-    others, notes = peers.external_peers(ctx, max(LENGTHS) + 8)
+    others, notes = peers.external_peers(ctx, max(lengths) + 8)
     # a quantized cache changes what decode reads, not the prefill forward: decode and quality measure those
-    pool_tokens = max(LENGTHS) + 64
+    pool_tokens = max(lengths) + 64
     runners = {"paged": peers.EnginePeer(ctx.engine, "paged", pool_tokens)}
     if ctx.engine.weight_format != "float32":
         runners[report.weights_row("float32")] = peers.EnginePeer(ctx.engine_with_weights("float32"), "paged",
@@ -33,11 +35,11 @@ def run(ctx: BenchContext, quick: bool) -> dict:
     for name, peer in bar(list(runners.items()), "prefill peers"):
         peer.prefill_ms(random_ids(32, vocab, seed=7))  # warm-up
         samples[name] = {str(n): [peer.prefill_ms(random_ids(n, vocab, seed=100 * n + i)) for i in range(repeats)]
-                         for n in LENGTHS}
+                         for n in lengths}
     tok_s = {name: {n: int(n) / (median(ms) / 1000) for n, ms in s.items()} for name, s in samples.items()}
     weights = {"format": ctx.engine.weight_format, "resident_bytes": ctx.engine.weights_resident_bytes,
                "file_bytes": ctx.engine.weights_file_bytes}
-    return {"method": METHOD, "lengths": list(LENGTHS), "repeats": repeats, "notes": notes,
+    return {"method": METHOD, "lengths": list(lengths), "repeats": repeats, "notes": notes,
             "tokens_per_s": tok_s, "samples_ms": samples, "weights": weights}
 
 

@@ -15,7 +15,7 @@ from engine.bench import peers, report
 from engine.bench.common import BenchContext, bar, make_cache, using_cache
 
 POSITIONS, QUICK_POSITIONS = 4096, 1024
-TINY_POSITIONS = 256  # --tiny: every code path, on a random model whose figures mean nothing
+TINY_POSITIONS = 128  # --tiny: every code path, on a random model whose figures mean nothing
 TESTED_PRECISIONS = ("bfloat16", "float16", "int8", "int4")  # each against a float32 cache
 WINDOW = 2048  # the longest context a position sees
 CHUNK = 64  # tokens per teacher-forced forward

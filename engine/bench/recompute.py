@@ -30,6 +30,7 @@ from engine.events import StepEvent
 LENGTHS = (10, 100, 1000)
 QUICK_LENGTHS = (10, 100, 300)
 NONE_MEASURED, QUICK_NONE_MEASURED = 300, 100
+TINY_LENGTHS, TINY_NONE_MEASURED = (10, 50, 150), 50  # --tiny: every code path, on a random model
 NONE_SAMPLES = 12
 STEP_TOKENS = 250  # issue 20: a 'none' step at ~250 tokens grew from 0.6 s to ~20 s; it should cost one prefill
 STEP_REPEATS = 5
@@ -38,9 +39,9 @@ PROMPT = "Tell me a long story about a lighthouse keeper and the ships she guide
 
 
 def run(ctx: BenchContext, quick: bool) -> dict:
-    lengths = QUICK_LENGTHS if quick else LENGTHS
+    lengths = TINY_LENGTHS if ctx.tiny else QUICK_LENGTHS if quick else LENGTHS
     n = max(lengths)
-    measured = min(n, QUICK_NONE_MEASURED if quick else NONE_MEASURED)
+    measured = min(n, TINY_NONE_MEASURED if ctx.tiny else QUICK_NONE_MEASURED if quick else NONE_MEASURED)
     curves = {s: generation_curve(ctx, s, measured if s == "none" else n)
               for s in bar(ENGINE_STRATEGIES, "recompute strategies")}
     if measured < n:

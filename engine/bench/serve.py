@@ -34,6 +34,7 @@ KVSCOPE, LLAMA_SERVER = "kvscope", "llama-server"
 MAX_TOKENS, QUICK_MAX_TOKENS = 64, 24
 STEP_SAMPLES, QUICK_STEP_SAMPLES = 32, 12
 FIT_REQUESTS, FIT_PROMPT_TOKENS, FIT_NEW_TOKENS = 96, 100, 16
+TINY_MAX_TOKENS, TINY_FIT_REQUESTS = 8, 24  # --tiny: every code path, on a random model
 TOPICS = ("a lighthouse keeper", "a lost robot", "the first bakery on Mars", "a dragon who feared heights",
           "an old clockmaker", "a river that flowed uphill", "a chess-playing cat", "a city under the sea",
           "a time-travelling librarian", "a garden on a train", "the last snowflake", "a shy volcano",
@@ -63,7 +64,8 @@ def run(ctx: BenchContext, quick: bool) -> dict:
     from engine.bench import llama_server
     from server.process import ServerProcess  # the benchmark drives the servers as any client would
 
-    max_tokens = QUICK_MAX_TOKENS if quick else MAX_TOKENS
+    max_tokens = TINY_MAX_TOKENS if ctx.tiny else QUICK_MAX_TOKENS if quick else MAX_TOKENS
+    fit_requests = TINY_FIT_REQUESTS if ctx.tiny else FIT_REQUESTS
     engine = ctx.engine
     threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or __import__("torch").get_num_threads()
     samples = QUICK_STEP_SAMPLES if quick else STEP_SAMPLES
@@ -87,11 +89,11 @@ def run(ctx: BenchContext, quick: bool) -> dict:
     peer_args = peer.config.describe() if peer else "absent"
     status("serve: concurrent requests that fit one KV budget, paged vs contiguous")
     return {"method": METHOD.format(max_tokens=max_tokens, weights=engine.weight_format, kv_dtype=engine.kv_dtype_name,
-                                    peer_args=peer_args, step_samples=len(step), fit_requests=FIT_REQUESTS,
+                                    peer_args=peer_args, step_samples=len(step), fit_requests=fit_requests,
                                     fit_prompt=FIT_PROMPT_TOKENS, fit_new=FIT_NEW_TOKENS),
             "clients": list(CLIENTS), "max_tokens": max_tokens, "threads": threads,
             "engine_step_ms": statistics.median(step), "engine_step_samples_ms": step,
-            **stream_results(raw, peer_status, peer_args), "pool_fit": pool_fit(ctx)}
+            **stream_results(raw, peer_status, peer_args), "pool_fit": pool_fit(ctx, fit_requests)}
 
 
 def stream_results(raw: dict[str, dict], peer_status: str, peer_args: str) -> dict:
@@ -215,17 +217,17 @@ def engine_step_ms(ctx: BenchContext, max_tokens: int, samples: int) -> list[flo
 
 
 # ---- pool fit, in process
-def pool_fit(ctx: BenchContext) -> dict:
+def pool_fit(ctx: BenchContext, requests: int = FIT_REQUESTS) -> dict:
     engine = ctx.engine
     budget_tokens = engine.max_context
     paged = make_cache(engine, "paged", 16, pool_tokens=budget_tokens)
     with using_cache(engine, paged):
-        sched = Scheduler(engine, SchedulerConfig(max_concurrency=FIT_REQUESTS))
+        sched = Scheduler(engine, SchedulerConfig(max_concurrency=requests))
         done = []
         params = SamplingParams(temperature=0, repetition_penalty=1.0, max_new_tokens=FIT_NEW_TOKENS)
-        for i in range(FIT_REQUESTS):
+        for i in range(requests):
             sched.submit(_fit_prompt(engine, i), params, lambda out: done.append(out) if out.finished else None)
-        while len(done) < FIT_REQUESTS:
+        while len(done) < requests:
             sched.tick()
         stats = sched.stats()
         budget_bytes = paged.stats().bytes_allocated if not hasattr(paged, "budget_bytes") else paged.budget_bytes()
@@ -237,7 +239,7 @@ def pool_fit(ctx: BenchContext) -> dict:
     return {"budget_tokens": budget_tokens, "budget_bytes": budget_bytes, "paged": stats.peak_running,
             "paged_preemptions": stats.num_preemptions, "paged_errors": errors,
             "contiguous": budget_bytes // reservation, "contiguous_reservation_bytes": reservation,
-            "requests": FIT_REQUESTS}
+            "requests": requests}
 
 
 def _fit_prompt(engine, i: int) -> list[int]:

@@ -31,6 +31,7 @@ from engine.events import DoneEvent
 
 STRATEGIES, QUICK_STRATEGIES = ("none", "contiguous", "paged", "paged-int8"), ("paged", "paged-int8")
 REPLY_TOKENS, QUICK_REPLY_TOKENS, NONE_REPLY_TOKENS = 256, 128, 64
+TINY_REPLY_TOKENS, TINY_CANDIDATES = 32, 4  # --tiny: every code path, on a random model
 MIN_OVERLAP = 0.5
 SPECULATION = SpeculativeConfig("lookup", max_draft_tokens=8)  # what the app's "prompt lookup" setting runs
 FREE_CHAT = (
@@ -56,10 +57,10 @@ METHOD = (
 
 
 def run(ctx: BenchContext, quick: bool) -> dict:
-    reply_tokens = QUICK_REPLY_TOKENS if quick else REPLY_TOKENS
+    reply_tokens = TINY_REPLY_TOKENS if ctx.tiny else QUICK_REPLY_TOKENS if quick else REPLY_TOKENS
     strategies = QUICK_STRATEGIES if quick else STRATEGIES
-    candidates = grounded_candidates(ctx, 8)
-    free = list(FREE_CHAT[:2] if quick else FREE_CHAT)
+    candidates = grounded_candidates(ctx, TINY_CANDIDATES if ctx.tiny else 8)
+    free = list(FREE_CHAT[:1] if ctx.tiny else FREE_CHAT[:2] if quick else FREE_CHAT)
     results = {}
     for strategy in bar(strategies, "speculative strategies"):
         tokens = NONE_REPLY_TOKENS if strategy == "none" else reply_tokens  # 'none' reruns the whole context
