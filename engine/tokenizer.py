@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -36,7 +37,7 @@ class TokenizerSettings:
     version: int = SETTINGS_VERSION
 
     def save(self, folder: Path, name: str = SETTINGS_FILE) -> None:
-        tmp = folder / f".{name}.tmp"
+        tmp = folder / f".{name}.{os.getpid()}.tmp"  # two processes checking one folder at once: each its own
         tmp.write_text(json.dumps(asdict(self), indent=1, ensure_ascii=False))
         tmp.replace(folder / name)
 
