@@ -125,11 +125,15 @@ class _Cursor:
             return self.read_array(key, depth) if self.arrays else self.skip_array(key, depth)
         raise GGUFHeaderError(f"{key} has value type {type_id}, which GGUF does not define")
 
-    def skip_array(self, key: str, depth: int) -> int:
+    def array_head(self, key: str) -> tuple[int, int]:
+        """(element type, element count) of the array value starting here."""
         element = self.scalar("<I")
         if element not in SCALARS and element not in (STRING, ARRAY):
             raise GGUFHeaderError(f"{key} is an array of value type {element}, which GGUF does not define")
-        n = self.count(f"element of {key}", struct.calcsize(SCALARS[element]) if element in SCALARS else 8)
+        return element, self.count(f"element of {key}", struct.calcsize(SCALARS[element]) if element in SCALARS else 8)
+
+    def skip_array(self, key: str, depth: int) -> int:
+        element, n = self.array_head(key)
         if element in SCALARS:
             self.skip(n * struct.calcsize(SCALARS[element]), f"the elements of {key}")
         elif element == STRING:
@@ -141,10 +145,7 @@ class _Cursor:
         return n
 
     def read_array(self, key: str, depth: int) -> list:
-        element = self.scalar("<I")
-        if element not in SCALARS and element not in (STRING, ARRAY):
-            raise GGUFHeaderError(f"{key} is an array of value type {element}, which GGUF does not define")
-        n = self.count(f"element of {key}", struct.calcsize(SCALARS[element]) if element in SCALARS else 8)
+        element, n = self.array_head(key)
         if element in SCALARS:
             fmt = SCALARS[element]
             raw = self.take(n * struct.calcsize(fmt), f"the elements of {key}")
