@@ -1444,9 +1444,13 @@ inline void unpack_int4(const uint8_t* const* rows, int64_t n, int64_t d, int64_
 template <int BITS>
 inline void unpack_codes(const uint8_t* const* rows, int64_t n, int64_t d, int64_t dp, uint8_t* out) {
   if constexpr (BITS == 4) return unpack_int4(rows, n, d, dp, out);
-  for (int64_t p = 0; p < n; ++p) {
-    std::memcpy(out + p * dp, rows[p], d);
-    std::fill(out + p * dp + d, out + (p + 1) * dp, uint8_t{0});
+  for (int64_t p = 0; p < n; ++p) {  // a row of 64 or 128 bytes: copied in registers (memcpy: a call a row, 5% of a step)
+    uint8_t* o = out + p * dp;
+    if (d % CODE_LANES == 0)
+      for (int64_t j = 0; j < d; j += CODE_LANES) _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j), load256(rows[p] + j));
+    else
+      std::memcpy(o, rows[p], d);
+    std::fill(o + d, o + dp, uint8_t{0});
   }
 }
 
