@@ -1410,6 +1410,11 @@ inline float scale_query(const float* q, const uint16_t* param, int64_t d, float
 #endif
 }
 
+// The query's grid: int8 keys meet two int8 parts (|x| <= 127.5 * 256, 15 bits); int4 keys, whose codes carry 4
+// bits, one part (|x| <= 127), which halves the score's products: on real text int4's mean KL against a float32
+// cache went 0.00138 -> 0.00144 nats (top-1 98.6% -> 98.5%; tests/test_int8_quality.py)
+template <int BITS> constexpr float QUERY_GRID = BITS == 4 ? 127.f : 32512.f;
+
 #ifdef KVSCOPE_AVX2
 // ---- int4 / int8 keys by integer dot products: a block's per-channel key scales fold into the query, qs = q * scale,
 // which goes onto an int16 grid per block, qs ~ dq * qi (15 bits of its largest channel, as the weight kernels'
@@ -1532,6 +1537,74 @@ inline void score_codes(const int16_t* codes, int64_t n, int64_t dp, const int16
   }
 }
 
+// int4 keys on AVX2: a query against one block as one int8 part (QUERY_GRID<4>), qs ~ dq * qi (zeros from d to
+// dp); bias = q . min; returns dq. Its dot with a row of codes 0..15 is maddubs' (no pair reaches int16's limit:
+// dp / 32 registers of 2 * 15 * 127 each, at most 30,480 for D = 256).
+inline float query_int8(const float* q, const uint16_t* param, int64_t d, int64_t dp, float* qs, int8_t* qi,
+                        float* bias) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 amax = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+  for (int64_t j = 0; j < d; j += 8) {
+    auto [sc, mn] = key_params8<4>(param, d, j);
+    __m256 qj = _mm256_loadu_ps(q + j), x = _mm256_mul_ps(qj, sc);
+    _mm256_storeu_ps(qs + j, x);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, x));
+    b = _mm256_fmadd_ps(qj, mn, b);
+  }
+  *bias = hsum(b);
+  float top = hmax(amax), inv = top > 0.f ? QUERY_GRID<4> / top : 0.f;
+  const __m256 vinv = _mm256_set1_ps(inv);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // the two packs' lane order, undone
+  auto grid = [&](int64_t j) { return _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(qs + j), vinv)); };
+  int64_t j = 0;
+  for (; j + 32 <= d; j += 32) {
+    __m256i ab = _mm256_packs_epi32(grid(j), grid(j + 8)), cd = _mm256_packs_epi32(grid(j + 16), grid(j + 24));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qi + j), _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd), order));
+  }
+  for (; j < d; ++j) qi[j] = static_cast<int8_t>(std::nearbyint(qs[j] * inv));
+  std::fill(qi + d, qi + dp, int8_t{0});
+  return top / QUERY_GRID<4>;
+}
+
+// scores of an int8 query against n rows of unpacked int4 codes (C registers of 32 each): out[p] = dq * (codes . qi)
+// + bias, four rows at a time (a last group reads its last row again in the missing places)
+template <int C>
+void score_nibbles_fixed(const uint8_t* codes, int64_t n, const int8_t* qi, float dq, float bias, float* out) {
+  __m256i qv[C];
+  for (int c = 0; c < C; ++c) qv[c] = load256(qi + 32 * c);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m128 vdq = _mm_set1_ps(dq), vbias = _mm_set1_ps(bias);
+  for (int64_t p = 0; p < n; p += 4) {
+    __m256i s[4];
+    for (int r = 0; r < 4; ++r) {
+      const uint8_t* row = codes + std::min(p + r, n - 1) * C * 32;
+      __m256i pairs = _mm256_maddubs_epi16(load256(row), qv[0]);
+      for (int c = 1; c < C; ++c) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(load256(row + 32 * c), qv[c]));
+      s[r] = _mm256_madd_epi16(pairs, ones);
+    }
+    __m256i sums = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+    __m128i four = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+    alignas(16) float f[4];
+    _mm_store_ps(f, _mm_fmadd_ps(_mm_cvtepi32_ps(four), vdq, vbias));
+    for (int64_t r = 0; r < 4 && p + r < n; ++r) out[p + r] = f[r];
+  }
+}
+
+inline void score_nibbles(const uint8_t* codes, int64_t n, int64_t dp, const int8_t* qi, float dq, float bias,
+                          float* out) {
+  switch (dp / 32) {  // dp is a multiple of 32
+    case 1: return score_nibbles_fixed<1>(codes, n, qi, dq, bias, out);
+    case 2: return score_nibbles_fixed<2>(codes, n, qi, dq, bias, out);
+    case 3: return score_nibbles_fixed<3>(codes, n, qi, dq, bias, out);
+    case 4: return score_nibbles_fixed<4>(codes, n, qi, dq, bias, out);
+    case 5: return score_nibbles_fixed<5>(codes, n, qi, dq, bias, out);
+    case 6: return score_nibbles_fixed<6>(codes, n, qi, dq, bias, out);
+    case 7: return score_nibbles_fixed<7>(codes, n, qi, dq, bias, out);
+    case 8: return score_nibbles_fixed<8>(codes, n, qi, dq, bias, out);
+    default: TORCH_CHECK(false, "quantized keys: head_dim up to 256");
+  }
+}
+
 #endif
 
 #if defined(KVSCOPE_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
@@ -1572,11 +1645,6 @@ struct QueryParts {  // a vector against one block: x = q * scale ~ dq * (256 hi
   int32_t offset;  // int8: 128 * sum of (256 hi + lo), what the codes' +128 adds to the sums
 };
 
-
-// The query's grid: int8 keys meet two int8 parts (|x| <= 127.5 * 256, 15 bits); int4 keys, whose codes carry 4
-// bits, one part (|x| <= 127), which halves the score's products: on real text int4's mean KL against a float32
-// cache went 0.00138 -> 0.00144 nats (top-1 98.6% -> 98.5%; tests/test_int8_quality.py)
-template <int BITS> constexpr float QUERY_GRID = BITS == 4 ? 127.f : 32512.f;
 
 // up to four vectors q[v] against one block (scales sc, int4 minimums mn, as floats): their QueryParts
 template <int BITS, int D16>
@@ -1754,6 +1822,27 @@ inline void interleave_pair(const uint8_t* a, const uint8_t* b, int64_t dp, __m2
     out[1] = _mm256_unpackhi_epi8(t0, s0);
     out[2] = _mm256_unpacklo_epi8(t1, s1);
     out[3] = _mm256_unpackhi_epi8(t1, s1);
+  }
+}
+
+// interleave_pair's registers straight from two rows of packed int4 codes (half = d / 2 a multiple of 32): the low
+// nibbles of a 32-byte chunk are channels [c, c + 32), the high ones [half + c, ..), as unpack_int4 puts them
+inline void interleave_packed_pair(const uint8_t* a, const uint8_t* b, int64_t d, __m256i* out) {
+  const __m256i zero = _mm256_setzero_si256(), low = _mm256_set1_epi8(0x0F);
+  int64_t half = d / 2;
+  __m256i* high = out + half / CODE_LANES * 4;
+  for (int64_t c = 0; c < half; c += CODE_LANES, out += 4, high += 4) {
+    __m256i ra = load256(a + c), rb = load256(b + c);
+    __m256i nibbles[2][2] = {{_mm256_and_si256(ra, low), _mm256_and_si256(rb, low)},
+                             {_mm256_and_si256(_mm256_srli_epi16(ra, 4), low), _mm256_and_si256(_mm256_srli_epi16(rb, 4), low)}};
+    for (int h = 0; h < 2; ++h) {
+      __m256i* o = h ? high : out;
+      __m256i t0 = _mm256_unpacklo_epi8(nibbles[h][0], nibbles[h][1]), t1 = _mm256_unpackhi_epi8(nibbles[h][0], nibbles[h][1]);
+      o[0] = _mm256_unpacklo_epi8(t0, zero);
+      o[1] = _mm256_unpackhi_epi8(t0, zero);
+      o[2] = _mm256_unpacklo_epi8(t1, zero);
+      o[3] = _mm256_unpackhi_epi8(t1, zero);
+    }
   }
 }
 
@@ -1936,12 +2025,19 @@ inline void weigh_int_values(const uint8_t* const* rows, int64_t n, int64_t ahea
   acc.assign(nv * regs, _mm256_setzero_si256());
   unpacked.resize(2 * PAIRS_AT_ONCE * dp);
   pairs.resize(PAIRS_AT_ONCE * regs);
+  const bool packed = BITS == 4 && d / 2 % CODE_LANES == 0;  // int4 rows interleaved as they are stored
+  alignas(32) static const uint8_t zeros[128] = {};  // the partner of a last token alone (codes 0, weight 0)
   for (int64_t p0 = 0; p0 < n; p0 += 2 * PAIRS_AT_ONCE) {
     int64_t m = std::min(2 * PAIRS_AT_ONCE, n - p0), np = (m + 1) / 2;
-    unpack_codes<BITS>(rows + p0, m, d, dp, unpacked.data());
-    if (m % 2) std::fill_n(unpacked.data() + m * dp, dp, uint8_t{0});  // a last token alone: paired with zeros
-    for (int64_t r = 0; r < np; ++r)
-      interleave_pair<BITS>(unpacked.data() + 2 * r * dp, unpacked.data() + (2 * r + 1) * dp, dp, pairs.data() + r * regs);
+    if (packed) {
+      for (int64_t r = 0; r < np; ++r)
+        interleave_packed_pair(rows[p0 + 2 * r], 2 * r + 1 < m ? rows[p0 + 2 * r + 1] : zeros, d, pairs.data() + r * regs);
+    } else {
+      unpack_codes<BITS>(rows + p0, m, d, dp, unpacked.data());
+      if (m % 2) std::fill_n(unpacked.data() + m * dp, dp, uint8_t{0});  // a last token alone: paired with zeros
+      for (int64_t r = 0; r < np; ++r)
+        interleave_pair<BITS>(unpacked.data() + 2 * r * dp, unpacked.data() + (2 * r + 1) * dp, dp, pairs.data() + r * regs);
+    }
     for (int64_t v = 0; v < nv; ++v)
       madd_pairs_any(pairs.data(), w16.data() + v * even + p0, np, regs, acc.data() + v * regs);
   }
@@ -2041,9 +2137,19 @@ inline void score_int_block(const float* q, const uint8_t* const* code, const ui
   int64_t dp = padded_channels(d);
   qs.resize(dp);
   unpacked.resize((e - s) * dp);
+  unpack_codes<BITS>(code, e - s, d, dp, unpacked.data());
+  if constexpr (BITS == 4) {  // codes as bytes against a one-part int8 query
+    thread_local std::vector<int8_t> qb;
+    qb.resize(dp);
+    for (int64_t i = 0; i < nq; ++i) {
+      if (s - k0 > last[i]) continue;
+      float bias, dq = query_int8(q + i * d, prm, d, dp, qs.data(), qb.data(), &bias);
+      score_nibbles(unpacked.data(), e - s, dp, qb.data(), dq, bias, scores + i * padded + s - k0);
+    }
+    return;
+  }
   wide.resize((e - s) * dp);
   qi.resize(dp);
-  unpack_codes<BITS>(code, e - s, d, dp, unpacked.data());
   widen_codes<BITS>(unpacked.data(), e - s, dp, wide.data());
   for (int64_t i = 0; i < nq; ++i) {
     if (s - k0 > last[i]) continue;
