@@ -1459,12 +1459,12 @@ inline void unpack_codes(const uint8_t* const* rows, int64_t n, int64_t d, int64
   }
 }
 
-// n rows of unpacked codes (dp bytes each) -> int16, rows of dp (int4's codes unsigned, int8's signed)
-template <int BITS>
-inline void widen_codes(const uint8_t* codes, int64_t n, int64_t dp, int16_t* out) {
-  for (int64_t i = 0; i < n * dp; i += 16) {
-    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), BITS == 4 ? _mm256_cvtepu8_epi16(b) : _mm256_cvtepi8_epi16(b));
+// n rows of int8 codes (d bytes each, d a multiple of 16) -> int16, rows of dp (zeros from d)
+inline void widen_int8_rows(const uint8_t* const* rows, int64_t n, int64_t d, int64_t dp, int16_t* out) {
+  for (int64_t p = 0; p < n; ++p, out += dp) {
+    for (int64_t j = 0; j < d; j += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[p] + j))));
+    std::fill(out + d, out + dp, int16_t{0});
   }
 }
 
@@ -2025,13 +2025,16 @@ inline void weigh_int_values(const uint8_t* const* rows, int64_t n, int64_t ahea
   acc.assign(nv * regs, _mm256_setzero_si256());
   unpacked.resize(2 * PAIRS_AT_ONCE * dp);
   pairs.resize(PAIRS_AT_ONCE * regs);
-  const bool packed = BITS == 4 && d / 2 % CODE_LANES == 0;  // int4 rows interleaved as they are stored
-  alignas(32) static const uint8_t zeros[128] = {};  // the partner of a last token alone (codes 0, weight 0)
+  const bool as_stored = d % (BITS == 4 ? 2 * CODE_LANES : CODE_LANES) == 0;  // rows interleaved as they are stored
+  alignas(32) static const uint8_t zeros[256] = {};  // the partner of a last token alone (codes 0, weight 0)
   for (int64_t p0 = 0; p0 < n; p0 += 2 * PAIRS_AT_ONCE) {
     int64_t m = std::min(2 * PAIRS_AT_ONCE, n - p0), np = (m + 1) / 2;
-    if (packed) {
-      for (int64_t r = 0; r < np; ++r)
-        interleave_packed_pair(rows[p0 + 2 * r], 2 * r + 1 < m ? rows[p0 + 2 * r + 1] : zeros, d, pairs.data() + r * regs);
+    if (as_stored) {
+      for (int64_t r = 0; r < np; ++r) {
+        const uint8_t *a = rows[p0 + 2 * r], *b = 2 * r + 1 < m ? rows[p0 + 2 * r + 1] : zeros;
+        if constexpr (BITS == 4) interleave_packed_pair(a, b, d, pairs.data() + r * regs);
+        else interleave_pair<BITS>(a, b, dp, pairs.data() + r * regs);
+      }
     } else {
       unpack_codes<BITS>(rows + p0, m, d, dp, unpacked.data());
       if (m % 2) std::fill_n(unpacked.data() + m * dp, dp, uint8_t{0});  // a last token alone: paired with zeros
@@ -2136,10 +2139,10 @@ inline void score_int_block(const float* q, const uint8_t* const* code, const ui
   thread_local std::vector<int16_t> wide, qi;
   int64_t dp = padded_channels(d);
   qs.resize(dp);
-  unpacked.resize((e - s) * dp);
-  unpack_codes<BITS>(code, e - s, d, dp, unpacked.data());
   if constexpr (BITS == 4) {  // codes as bytes against a one-part int8 query
     thread_local std::vector<int8_t> qb;
+    unpacked.resize((e - s) * dp);
+    unpack_codes<BITS>(code, e - s, d, dp, unpacked.data());
     qb.resize(dp);
     for (int64_t i = 0; i < nq; ++i) {
       if (s - k0 > last[i]) continue;
@@ -2150,7 +2153,15 @@ inline void score_int_block(const float* q, const uint8_t* const* code, const ui
   }
   wide.resize((e - s) * dp);
   qi.resize(dp);
-  widen_codes<BITS>(unpacked.data(), e - s, dp, wide.data());
+  if (d % 16 == 0) {
+    widen_int8_rows(code, e - s, d, dp, wide.data());
+  } else {
+    unpacked.resize((e - s) * dp);
+    unpack_codes<BITS>(code, e - s, d, dp, unpacked.data());
+    for (int64_t i = 0; i < (e - s) * dp; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(wide.data() + i),
+                          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(unpacked.data() + i))));
+  }
   for (int64_t i = 0; i < nq; ++i) {
     if (s - k0 > last[i]) continue;
     float bias, dq = query_int16<BITS>(q + i * d, prm, d, dp, qs.data(), qi.data(), &bias);
