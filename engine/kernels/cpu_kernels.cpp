@@ -1474,19 +1474,17 @@ inline float hmax(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
-// a query against one block of keys: qs = q * scale per channel as int16, qs ~ dq * qi (zeros from d to dp);
-// bias = q . min (int4; 0 for int8); returns dq
-template <int BITS>
-inline float query_int16(const float* q, const uint16_t* param, int64_t d, int64_t dp, float* qs, int16_t* qi,
-                         float* bias) {
+// a query against one block of keys (its scales sc and minimums mn as floats): qs = q * scale per channel as
+// int16, qs ~ dq * qi (zeros from d to dp); bias = q . min (int4; 0 for int8); returns dq
+inline float query_int16(const float* q, const float* sc, const float* mn, int64_t d, int64_t dp, float* qs,
+                         int16_t* qi, float* bias) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 amax = _mm256_setzero_ps(), b = _mm256_setzero_ps();
   for (int64_t j = 0; j < d; j += 8) {
-    auto [sc, mn] = key_params8<BITS>(param, d, j);
-    __m256 qj = _mm256_loadu_ps(q + j), x = _mm256_mul_ps(qj, sc);
+    __m256 qj = _mm256_loadu_ps(q + j), x = _mm256_mul_ps(qj, _mm256_load_ps(sc + j));
     _mm256_storeu_ps(qs + j, x);
     amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, x));
-    b = _mm256_fmadd_ps(qj, mn, b);
+    b = _mm256_fmadd_ps(qj, _mm256_load_ps(mn + j), b);
   }
   *bias = hsum(b);
   float top = hmax(amax), inv = top > 0.f ? 32767.f / top : 0.f;
@@ -1540,16 +1538,15 @@ inline void score_codes(const int16_t* codes, int64_t n, int64_t dp, const int16
 // int4 keys on AVX2: a query against one block as one int8 part (QUERY_GRID<4>), qs ~ dq * qi (zeros from d to
 // dp); bias = q . min; returns dq. Its dot with a row of codes 0..15 is maddubs' (no pair reaches int16's limit:
 // dp / 32 registers of 2 * 15 * 127 each, at most 30,480 for D = 256).
-inline float query_int8(const float* q, const uint16_t* param, int64_t d, int64_t dp, float* qs, int8_t* qi,
-                        float* bias) {
+inline float query_int8(const float* q, const float* sc, const float* mn, int64_t d, int64_t dp, float* qs,
+                        int8_t* qi, float* bias) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 amax = _mm256_setzero_ps(), b = _mm256_setzero_ps();
   for (int64_t j = 0; j < d; j += 8) {
-    auto [sc, mn] = key_params8<4>(param, d, j);
-    __m256 qj = _mm256_loadu_ps(q + j), x = _mm256_mul_ps(qj, sc);
+    __m256 qj = _mm256_loadu_ps(q + j), x = _mm256_mul_ps(qj, _mm256_load_ps(sc + j));
     _mm256_storeu_ps(qs + j, x);
     amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, x));
-    b = _mm256_fmadd_ps(qj, mn, b);
+    b = _mm256_fmadd_ps(qj, _mm256_load_ps(mn + j), b);
   }
   *bias = hsum(b);
   float top = hmax(amax), inv = top > 0.f ? QUERY_GRID<4> / top : 0.f;
@@ -2139,6 +2136,12 @@ inline void score_int_block(const float* q, const uint8_t* const* code, const ui
   thread_local std::vector<int16_t> wide, qi;
   int64_t dp = padded_channels(d);
   qs.resize(dp);
+  TORCH_CHECK(d <= 256, "quantized keys: head_dim up to 256");
+  alignas(32) float sc[256], mn[256];  // the block's key scales and minimums as floats, once for every vector
+  for (int64_t j = 0; j < d; j += 8) {
+    auto [scale, minimum] = key_params8<BITS>(prm, d, j);
+    _mm256_store_ps(sc + j, scale), _mm256_store_ps(mn + j, minimum);
+  }
   if constexpr (BITS == 4) {  // codes as bytes against a one-part int8 query
     thread_local std::vector<int8_t> qb;
     unpacked.resize((e - s) * dp);
@@ -2146,7 +2149,7 @@ inline void score_int_block(const float* q, const uint8_t* const* code, const ui
     qb.resize(dp);
     for (int64_t i = 0; i < nq; ++i) {
       if (s - k0 > last[i]) continue;
-      float bias, dq = query_int8(q + i * d, prm, d, dp, qs.data(), qb.data(), &bias);
+      float bias, dq = query_int8(q + i * d, sc, mn, d, dp, qs.data(), qb.data(), &bias);
       score_nibbles(unpacked.data(), e - s, dp, qb.data(), dq, bias, scores + i * padded + s - k0);
     }
     return;
@@ -2164,7 +2167,7 @@ inline void score_int_block(const float* q, const uint8_t* const* code, const ui
   }
   for (int64_t i = 0; i < nq; ++i) {
     if (s - k0 > last[i]) continue;
-    float bias, dq = query_int16<BITS>(q + i * d, prm, d, dp, qs.data(), qi.data(), &bias);
+    float bias, dq = query_int16(q + i * d, sc, mn, d, dp, qs.data(), qi.data(), &bias);
     score_codes(wide.data(), e - s, dp, qi.data(), dq, bias, scores + i * padded + s - k0);
   }
 #endif
