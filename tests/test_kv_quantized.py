@@ -109,8 +109,10 @@ def test_the_kernels_and_the_pure_pytorch_path_agree(tiny_engine_factory, layout
     compiled = decode(tiny_engine_factory(layout, 16, kv_dtype=kv), 1, PROMPT, 16)
     with kernels.pure_pytorch():
         pure = decode(tiny_engine_factory(layout, 16, kv_dtype=kv), 1, PROMPT, 16)
+    # the kernels put each 32 tokens' softmax weights on an 8-bit grid, the pure path keeps them in float32: int8's
+    # logits measured up to 0.62% of the largest apart after 16 steps (the attention itself: test_attention_kernel)
     for a, b in zip(compiled, pure):
-        assert torch.allclose(a, b, atol=1e-3 * float(b.abs().max()))
+        assert torch.allclose(a, b, atol=2e-2 * float(b.abs().max()))
 
 
 GREEDY_STEPS = 48

@@ -1611,8 +1611,9 @@ inline void score_nibbles(const uint8_t* codes, int64_t n, int64_t dp, const int
 // Keys: 16 rows of codes are transposed in registers so that a 32-bit lane holds four channels of one token; the
 // query, q * scale per channel on a 15-bit grid per block, is split in two int8 parts (x = 256 hi + lo), and
 // vpdpbusd sums codes (unsigned: int4 as they are, int8 plus 128) times each part: 16 tokens' exact int32 sums in
-// one register, no horizontal sums. Values: two tokens' codes per channel as int16 pairs meet the pair's weights
-// in vpdpwssd (exact int32 sums, as the AVX2 path's madd). Every sum is exact, so the order is free.
+// one register, no horizontal sums. Values: four tokens' codes per channel as bytes meet their 8-bit weights in
+// vpdpbusd (the AVX2 path's madd on int16 pairs gives the same exact int32 sums). Every integer sum is exact, so
+// its order is free.
 constexpr int64_t TOKENS_512 = 16;  // tokens a register of scores holds
 
 inline bool kv512_keys(int bits, int64_t d) { return d <= 256 && d % (bits == 4 ? 32 : 16) == 0; }
@@ -1799,11 +1800,13 @@ inline bool values_fetch_own(int bits, int64_t d) {
 }
 
 #ifdef KVSCOPE_AVX2
-// ---- int4 values by integer products: each vector's weights w_p = e_p * scale_p (its softmax weight times the
-// token's value scale) go onto one int16 grid per tile, w ~ dw * w16 (dw = max w / 32767: 15 bits of the largest);
-// the codes of two tokens are interleaved as int16 pairs per channel, so one madd gives w16_p c_p + w16_p+1 c_p+1,
-// and a tile's sums are exact in int32 (at most 128 pairs * 2 * 32767 * 127 < 2^31): out += dw * sums.
-constexpr int64_t PAIRS_AT_ONCE = 16;  // token pairs interleaved at a time, then read by every vector from L1
+// ---- quantized values by integer products: each vector's weights w_p = e_p * scale_p (its softmax weight times
+// the token's value scale) go onto an 8-bit grid per chunk of WEIGHT_CHUNK tokens, w ~ dw_c * w8 (dw_c = the
+// chunk's largest w / 255); a chunk's sums of codes times w8 are exact in int32 (at most 32 * 255 * 127), and the
+// chunks are added in position order, out = fma(sums_c, dw_c, out): the same integers and the same float steps on
+// every instruction set (AVX-512 VNNI: four tokens a 32-bit lane by vpdpbusd; AVX2: two by madd on int16 pairs).
+constexpr int64_t WEIGHT_CHUNK = 32;   // tokens interleaved at a time (read by every vector from L1), one weight grid
+constexpr int64_t PAIRS_AT_ONCE = WEIGHT_CHUNK / 2;
 
 // unpacked codes (dp bytes a row) of tokens a and b -> per 32 channels four registers of int16 pairs (a_j, b_j):
 // channels {0-3, 16-19}, {4-7, 20-23}, {8-11, 24-27}, {12-15, 28-31} of the group (the unpack's lane order);
@@ -1858,145 +1861,164 @@ inline void madd_pairs(const __m256i* pairs, const int16_t* w16, int64_t n, __m2
 }
 
 inline void madd_pairs_any(const __m256i* pairs, const int16_t* w16, int64_t n, int64_t regs, __m256i* acc) {
-  switch (regs) {
+  switch (regs) {  // dp / 8, dp a multiple of 32 up to 256 (a head of 96 is 12 registers)
     case 4: return madd_pairs<4>(pairs, w16, n, acc);
     case 8: return madd_pairs<8>(pairs, w16, n, acc);
+    case 12: return madd_pairs<12>(pairs, w16, n, acc);
     case 16: return madd_pairs<16>(pairs, w16, n, acc);
-    default: return madd_pairs<32>(pairs, w16, n, acc);
+    case 20: return madd_pairs<20>(pairs, w16, n, acc);
+    case 24: return madd_pairs<24>(pairs, w16, n, acc);
+    case 28: return madd_pairs<28>(pairs, w16, n, acc);
+    case 32: return madd_pairs<32>(pairs, w16, n, acc);
+    default: TORCH_CHECK(false, "quantized values: head_dim up to 256");
   }
 }
 
-// int32 sums in interleave_pair's order -> out[0..d) += dw * sums + bias
-inline void add_sums(const __m256i* acc, int64_t d, float dw, float bias, float* out) {
-  const __m256 vdw = _mm256_set1_ps(dw), vbias = _mm256_set1_ps(bias);
+// int32 sums in interleave_pair's order -> out[0..d) = fma(sums, dw, out)
+inline void fma_sums(const __m256i* acc, int64_t d, float dw, float* out) {
+  const __m256 vdw = _mm256_set1_ps(dw);
   for (int64_t j = 0; j < d; j += CODE_LANES, acc += 4) {
     __m256i ch[4] = {_mm256_permute2x128_si256(acc[0], acc[1], 0x20), _mm256_permute2x128_si256(acc[2], acc[3], 0x20),
                      _mm256_permute2x128_si256(acc[0], acc[1], 0x31), _mm256_permute2x128_si256(acc[2], acc[3], 0x31)};
-    for (int64_t c = 0; c < 4 && j + 8 * c < d; ++c) {
-      __m256 o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ch[c]), vdw, _mm256_loadu_ps(out + j + 8 * c));
-      _mm256_storeu_ps(out + j + 8 * c, _mm256_add_ps(o, vbias));
-    }
+    for (int64_t c = 0; c < 4 && j + 8 * c < d; ++c)
+      _mm256_storeu_ps(out + j + 8 * c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(ch[c]), vdw, _mm256_loadu_ps(out + j + 8 * c)));
   }
 }
 
-// a vector's weights w[0..n) (>= 0; n even) -> int16 on one grid, w ~ dw * w16; returns dw
-inline float weights_int16(const float* w, int64_t n, int16_t* w16) {
-  __m256 top = _mm256_setzero_ps();
-  int64_t p = 0;
-  for (; p + 8 <= n; p += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(w + p));
-  float wmax = hmax(top);
-  for (int64_t r = p; r < n; ++r) wmax = std::max(wmax, w[r]);
-  float inv = wmax > 0.f ? 32767.f / wmax : 0.f;
-  const __m256 vinv = _mm256_set1_ps(inv);
-  for (p = 0; p + 8 <= n; p += 8) {
-    __m128i i32lo, i32hi;
-    __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(w + p), vinv));
-    i32lo = _mm256_castsi256_si128(v), i32hi = _mm256_extracti128_si256(v, 1);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(w16 + p), _mm_packs_epi32(i32lo, i32hi));
+inline void add_bias(float* out, int64_t d, float bias) {
+  for (int64_t j = 0; j < d; j += 8) _mm256_storeu_ps(out + j, _mm256_add_ps(_mm256_loadu_ps(out + j), _mm256_set1_ps(bias)));
+}
+
+// a vector's weights w[0..n) (>= 0) -> integers 0..255 (as T), one grid per WEIGHT_CHUNK tokens: w ~ dw[c] * w8,
+// zeros from n to the last chunk's end (rounded to nearest, ties to even, as the vector conversion does)
+template <typename T>
+inline void weights_8bit(const float* w, int64_t n, T* w8, float* dw) {
+  for (int64_t c0 = 0; c0 < n; c0 += WEIGHT_CHUNK) {
+    int64_t m = std::min(WEIGHT_CHUNK, n - c0);
+    alignas(32) float x[WEIGHT_CHUNK] = {};
+    std::copy_n(w + c0, m, x);
+    __m256 top = _mm256_max_ps(_mm256_max_ps(_mm256_load_ps(x), _mm256_load_ps(x + 8)),
+                               _mm256_max_ps(_mm256_load_ps(x + 16), _mm256_load_ps(x + 24)));
+    float wmax = hmax(top), inv = wmax > 0.f ? 255.f / wmax : 0.f;
+    alignas(32) int32_t q[WEIGHT_CHUNK];
+    for (int64_t p = 0; p < WEIGHT_CHUNK; p += 8)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(q + p),
+                         _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(x + p), _mm256_set1_ps(inv))));
+    for (int64_t p = 0; p < WEIGHT_CHUNK; ++p) w8[c0 + p] = static_cast<T>(q[p]);
+    dw[c0 / WEIGHT_CHUNK] = wmax / 255.f;
   }
-  for (; p < n; ++p) w16[p] = static_cast<int16_t>(std::nearbyint(w[p] * inv));
-  return wmax / 32767.f;
 }
 
 #endif
 
 #ifdef KVSCOPE_KV512
-// the codes of tokens a and b (row bytes d * BITS / 8) -> d / 16 registers of int16 pairs (a_j, b_j), 16 channels
-// each: per 32 bytes of a row, int4 channels [c, c + 16), [c + 16, c + 32), [half + c, ..), [half + c + 16, ..);
-// int8 channels [c, c + 16), [c + 16, c + 32)
+// the codes of four tokens r[0..4) (row bytes d * BITS / 8) -> d / 16 registers of bytes, a 32-bit lane holding
+// one channel of the four tokens, 16 channels a register: per 32 bytes of a row, int4 channels [c, c + 16),
+// [half + c, ..), [c + 16, c + 32), [half + c + 16, ..); int8 channels [c, c + 16), [c + 16, c + 32). int4 codes
+// 0..15 and int8 codes -127..127 are both vpdpbusd's signed operand as they are.
 template <int BITS>
-inline void pair_codes(const uint8_t* a, const uint8_t* b, int64_t d, __m512i* out) {
-  static const __m512i place = [] {  // byte 4i: a's byte i, byte 4i + 2: b's (which sits 32 bytes on)
+inline void quad_codes(const uint8_t* const* r, int64_t d, __m512i* out) {
+  static const __m512i place = [] {  // byte 4i + k: token k's byte i (token k's 32 bytes sit at 32k of the pair)
     alignas(64) uint8_t idx[64];
     for (int i = 0; i < 16; ++i)
-      for (int k = 0; k < 4; ++k) idx[4 * i + k] = static_cast<uint8_t>(k < 2 ? i : 32 + i);
+      for (int k = 0; k < 4; ++k) idx[4 * i + k] = static_cast<uint8_t>(32 * k + i);
     return _mm512_load_si512(idx);
   }();
   const __m512i sixteen = _mm512_set1_epi8(16), low = _mm512_set1_epi8(0x0F);
-  constexpr __mmask64 EVEN = 0x5555555555555555ull, ODD = 0xAAAAAAAAAAAAAAAAull;
+  auto two = [](const uint8_t* x, const uint8_t* y) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(load256(x)), load256(y), 1);
+  };
   for (int64_t c = 0; c < d * BITS / 8; c += 32) {
-    __m512i src = _mm512_inserti64x4(_mm512_castsi256_si512(load256(a + c)), load256(b + c), 1);
-    __m512i lo = _mm512_and_si512(src, low), hi = _mm512_and_si512(_mm512_srli_epi16(src, 4), low);
+    __m512i first = two(r[0] + c, r[1] + c), second = two(r[2] + c, r[3] + c);
     for (int m = 0; m < 2; ++m) {
-      __m512i idx = m ? _mm512_add_epi8(place, sixteen) : place;
+      __m512i q = _mm512_permutex2var_epi8(first, m ? _mm512_add_epi8(place, sixteen) : place, second);
       if constexpr (BITS == 4) {
-        *out++ = _mm512_maskz_permutexvar_epi8(EVEN, idx, lo);
-        *out++ = _mm512_maskz_permutexvar_epi8(EVEN, idx, hi);
+        *out++ = _mm512_and_si512(q, low);
+        *out++ = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
       } else {
-        *out++ = _mm512_srai_epi16(_mm512_maskz_permutexvar_epi8(ODD, idx, src), 8);  // the code in the high byte
+        *out++ = q;
       }
     }
   }
 }
 
-// the first channel of register r of pair_codes' output
+// the first channel of register r of quad_codes' output
 inline int64_t pair_channel(int bits, int64_t r, int64_t d) {
   if (bits == 4) return r / 4 * 32 + (r % 4) / 2 * 16 + (r % 2) * (d / 2);
   return r * 16;
 }
 
-// acc (R registers in pair_codes' order) += the n pairs' codes times their weights (w16[2r], w16[2r + 1])
+// out (R registers in quad_codes' order) = fma(sums, dw, out): sums of the n quads' codes times their weights
+// (w8[4r..4r + 4))
 template <int R>
-inline void dpwssd_pairs(const __m512i* pairs, const int16_t* w16, int64_t n, __m512i* acc) {
+inline void dpbusd_quads(const __m512i* quads, const uint8_t* w8, int64_t n, float dw, __m512* out) {
   __m512i a[R];
-  for (int k = 0; k < R; ++k) a[k] = acc[k];
+  for (int k = 0; k < R; ++k) a[k] = _mm512_setzero_si512();
   for (int64_t r = 0; r < n; ++r) {
-    int32_t two;
-    std::memcpy(&two, w16 + 2 * r, sizeof two);
-    __m512i w = _mm512_set1_epi32(two);
-    for (int k = 0; k < R; ++k) a[k] = _mm512_dpwssd_epi32(a[k], pairs[r * R + k], w);
+    int32_t four;
+    std::memcpy(&four, w8 + 4 * r, sizeof four);
+    __m512i w = _mm512_set1_epi32(four);
+    for (int k = 0; k < R; ++k) a[k] = _mm512_dpbusd_epi32(a[k], w, quads[r * R + k]);
   }
-  for (int k = 0; k < R; ++k) acc[k] = a[k];
+  const __m512 vdw = _mm512_set1_ps(dw);
+  for (int k = 0; k < R; ++k) out[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[k]), vdw, out[k]);
 }
 
-inline void dpwssd_pairs_any(const __m512i* pairs, const int16_t* w16, int64_t n, int64_t regs, __m512i* acc) {
+inline void dpbusd_quads_any(const __m512i* quads, const uint8_t* w8, int64_t n, int64_t regs, float dw, __m512* out) {
   switch (regs) {  // d / 16: int4 4, 8, 12, 16; int8 any even number up to 16
-    case 2: return dpwssd_pairs<2>(pairs, w16, n, acc);
-    case 4: return dpwssd_pairs<4>(pairs, w16, n, acc);
-    case 6: return dpwssd_pairs<6>(pairs, w16, n, acc);
-    case 8: return dpwssd_pairs<8>(pairs, w16, n, acc);
-    case 10: return dpwssd_pairs<10>(pairs, w16, n, acc);
-    case 12: return dpwssd_pairs<12>(pairs, w16, n, acc);
-    case 14: return dpwssd_pairs<14>(pairs, w16, n, acc);
-    default: return dpwssd_pairs<16>(pairs, w16, n, acc);
+    case 2: return dpbusd_quads<2>(quads, w8, n, dw, out);
+    case 4: return dpbusd_quads<4>(quads, w8, n, dw, out);
+    case 6: return dpbusd_quads<6>(quads, w8, n, dw, out);
+    case 8: return dpbusd_quads<8>(quads, w8, n, dw, out);
+    case 10: return dpbusd_quads<10>(quads, w8, n, dw, out);
+    case 12: return dpbusd_quads<12>(quads, w8, n, dw, out);
+    case 14: return dpbusd_quads<14>(quads, w8, n, dw, out);
+    default: return dpbusd_quads<16>(quads, w8, n, dw, out);
   }
 }
 
 constexpr int64_t VALUES_AHEAD = 64;  // the value phase prefetches the codes of the positions this far on
 
-// weigh_int_values' sums by vpdpwssd: part_i[2..] += dw_i * (integer sums) + bias_i
+// weigh_int_values' sums by vpdpbusd, four tokens a lane: part_i[2..] = chunk by chunk fma(sums, dw, part_i) + bias_i
 template <int BITS>
 void weigh_values_512(const uint8_t* const* rows, int64_t n, int64_t ahead, int64_t d,
-                      const std::vector<int64_t>& active, const float* weights, const float* bias, float* part,
-                      int64_t stride) {
-  alignas(64) static const uint8_t zeros[256] = {};  // the partner of a last token alone (weight 0)
-  int64_t regs = d / 16, even = (n + 1) / 2 * 2, nv = active.size();
-  thread_local std::vector<int16_t> w16;
+                      const std::vector<int64_t>& active, const float* weights, int64_t stride_w, const float* bias,
+                      float* part, int64_t stride) {
+  alignas(64) static const uint8_t zeros[256] = {};  // the partners of a last chunk's last tokens (weight 0)
+  int64_t regs = d / 16, chunks = (n + WEIGHT_CHUNK - 1) / WEIGHT_CHUNK, nv = active.size();
+  thread_local std::vector<uint8_t> w8;
   thread_local std::vector<float> dw;
-  thread_local std::vector<__m512i> pairs, acc;
-  w16.resize(nv * even);
-  dw.resize(nv);
-  for (int64_t v = 0; v < nv; ++v) dw[v] = weights_int16(weights + v * even, even, w16.data() + v * even);
-  acc.assign(nv * regs, _mm512_setzero_si512());
-  pairs.resize(PAIRS_AT_ONCE * regs);
-  for (int64_t p0 = 0; p0 < n; p0 += 2 * PAIRS_AT_ONCE) {
-    int64_t m = std::min(2 * PAIRS_AT_ONCE, n - p0), np = (m + 1) / 2;
+  thread_local std::vector<__m512i> quads;
+  thread_local std::vector<__m512> acc;
+  w8.resize(nv * chunks * WEIGHT_CHUNK);
+  dw.resize(nv * chunks);
+  acc.resize(nv * regs);
+  for (int64_t v = 0; v < nv; ++v) {
+    weights_8bit(weights + v * stride_w, n, w8.data() + v * chunks * WEIGHT_CHUNK, dw.data() + v * chunks);
+    const float* out = part + active[v] * stride + 2;
+    for (int64_t r = 0; r < regs; ++r) acc[v * regs + r] = _mm512_loadu_ps(out + pair_channel(BITS, r, d));
+  }
+  quads.resize(WEIGHT_CHUNK / 4 * regs);
+  for (int64_t p0 = 0, c = 0; p0 < n; p0 += WEIGHT_CHUNK, ++c) {
+    int64_t m = std::min(WEIGHT_CHUNK, n - p0), nq = (m + 3) / 4;
     int64_t fetch_to = values_fetch_own(BITS, d) ? std::min(n + ahead, p0 + VALUES_AHEAD + m) : 0;
     for (int64_t r = p0 + VALUES_AHEAD; r < fetch_to; ++r)  // (the next tile's first rows too)
       prefetch_span(rows[r], rows[r] + d * BITS / 8, _MM_HINT_T0);
-    for (int64_t r = 0; r < np; ++r)
-      pair_codes<BITS>(rows[p0 + 2 * r], 2 * r + 1 < m ? rows[p0 + 2 * r + 1] : zeros, d, pairs.data() + r * regs);
+    for (int64_t r = 0; r < nq; ++r) {
+      const uint8_t* four[4];
+      for (int k = 0; k < 4; ++k) four[k] = 4 * r + k < m ? rows[p0 + 4 * r + k] : zeros;
+      quad_codes<BITS>(four, d, quads.data() + r * regs);
+    }
     for (int64_t v = 0; v < nv; ++v)
-      dpwssd_pairs_any(pairs.data(), w16.data() + v * even + p0, np, regs, acc.data() + v * regs);
+      if (dw[v * chunks + c] > 0.f)
+        dpbusd_quads_any(quads.data(), w8.data() + v * chunks * WEIGHT_CHUNK + p0, nq, regs, dw[v * chunks + c],
+                         acc.data() + v * regs);
   }
   for (int64_t v = 0; v < nv; ++v) {
-    const __m512 vdw = _mm512_set1_ps(dw[v]), vbias = _mm512_set1_ps(bias[v]);
+    const __m512 vbias = _mm512_set1_ps(bias[v]);
     float* out = part + active[v] * stride + 2;
-    for (int64_t r = 0; r < regs; ++r) {
-      float* o = out + pair_channel(BITS, r, d);
-      __m512 x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[v * regs + r]), vdw, _mm512_loadu_ps(o));
-      _mm512_storeu_ps(o, _mm512_add_ps(x, vbias));
-    }
+    for (int64_t r = 0; r < regs; ++r)
+      _mm512_storeu_ps(out + pair_channel(BITS, r, d), _mm512_add_ps(acc[v * regs + r], vbias));
   }
 }
 #endif
@@ -2006,26 +2028,28 @@ void weigh_values_512(const uint8_t* const* rows, int64_t n, int64_t ahead, int6
 // a vector's last key) -> part_i[2..] += dw_i * (integer sums) + bias_i
 template <int BITS>
 inline void weigh_int_values(const uint8_t* const* rows, int64_t n, int64_t ahead, int64_t d,
-                             const std::vector<int64_t>& active, const float* weights, const float* bias, float* part,
-                             int64_t stride) {
+                             const std::vector<int64_t>& active, const float* weights, int64_t stride_w,
+                             const float* bias, float* part, int64_t stride) {
 #ifdef KVSCOPE_KV512
-  if (kv512_values(BITS, d)) return weigh_values_512<BITS>(rows, n, ahead, d, active, weights, bias, part, stride);
+  if (kv512_values(BITS, d))
+    return weigh_values_512<BITS>(rows, n, ahead, d, active, weights, stride_w, bias, part, stride);
 #endif
-  int64_t dp = padded_channels(d), regs = dp / 8, even = (n + 1) / 2 * 2, nv = active.size();
+  int64_t dp = padded_channels(d), regs = dp / 8, chunks = (n + WEIGHT_CHUNK - 1) / WEIGHT_CHUNK, nv = active.size();
   thread_local std::vector<int16_t> w16;
   thread_local std::vector<float> dw;
   thread_local std::vector<uint8_t> unpacked;
   thread_local std::vector<__m256i> pairs, acc;
-  w16.resize(nv * even);
-  dw.resize(nv);
-  for (int64_t v = 0; v < nv; ++v) dw[v] = weights_int16(weights + v * even, even, w16.data() + v * even);
-  acc.assign(nv * regs, _mm256_setzero_si256());
+  w16.resize(nv * chunks * WEIGHT_CHUNK);
+  dw.resize(nv * chunks);
+  for (int64_t v = 0; v < nv; ++v)
+    weights_8bit(weights + v * stride_w, n, w16.data() + v * chunks * WEIGHT_CHUNK, dw.data() + v * chunks);
+  acc.resize(regs);
   unpacked.resize(2 * PAIRS_AT_ONCE * dp);
   pairs.resize(PAIRS_AT_ONCE * regs);
   const bool as_stored = d % (BITS == 4 ? 2 * CODE_LANES : CODE_LANES) == 0;  // rows interleaved as they are stored
   alignas(32) static const uint8_t zeros[256] = {};  // the partner of a last token alone (codes 0, weight 0)
-  for (int64_t p0 = 0; p0 < n; p0 += 2 * PAIRS_AT_ONCE) {
-    int64_t m = std::min(2 * PAIRS_AT_ONCE, n - p0), np = (m + 1) / 2;
+  for (int64_t p0 = 0, c = 0; p0 < n; p0 += WEIGHT_CHUNK, ++c) {
+    int64_t m = std::min(WEIGHT_CHUNK, n - p0), np = (m + 1) / 2;
     if (as_stored) {
       for (int64_t r = 0; r < np; ++r) {
         const uint8_t *a = rows[p0 + 2 * r], *b = 2 * r + 1 < m ? rows[p0 + 2 * r + 1] : zeros;
@@ -2038,10 +2062,14 @@ inline void weigh_int_values(const uint8_t* const* rows, int64_t n, int64_t ahea
       for (int64_t r = 0; r < np; ++r)
         interleave_pair<BITS>(unpacked.data() + 2 * r * dp, unpacked.data() + (2 * r + 1) * dp, dp, pairs.data() + r * regs);
     }
-    for (int64_t v = 0; v < nv; ++v)
-      madd_pairs_any(pairs.data(), w16.data() + v * even + p0, np, regs, acc.data() + v * regs);
+    for (int64_t v = 0; v < nv; ++v) {
+      if (dw[v * chunks + c] == 0.f) continue;
+      std::fill(acc.begin(), acc.end(), _mm256_setzero_si256());
+      madd_pairs_any(pairs.data(), w16.data() + v * chunks * WEIGHT_CHUNK + p0, np, regs, acc.data());
+      fma_sums(acc.data(), d, dw[v * chunks + c], part + active[v] * stride + 2);
+    }
   }
-  for (int64_t v = 0; v < nv; ++v) add_sums(acc.data() + v * regs, d, dw[v], bias[v], part + active[v] * stride + 2);
+  for (int64_t v = 0; v < nv; ++v) add_bias(part + active[v] * stride + 2, d, bias[v]);
 }
 
 // ---- values: the codes of a row become floats once, in registers, for NV query vectors at once.
@@ -2322,8 +2350,8 @@ void weigh_quantized(const float* scores, int64_t padded, const QuantRows<BITS>&
   const uint8_t* const* rows = values.code + (qstart - values.first);
 #ifdef KVSCOPE_AVX2
   if constexpr (KVSCOPE_INT_DOTS)
-    return weigh_int_values<BITS>(rows, upto, values.known - qstart - upto, d, active, weights.data(), bias.data(),
-                                  part, stride);
+    return weigh_int_values<BITS>(rows, upto, values.known - qstart - upto, d, active, weights.data(), even,
+                                  bias.data(), part, stride);
   for (size_t a = 0; a < active.size(); a += 3) {  // three vectors at a time: 12 accumulators of 8 lanes
     const float* w[3];
     float* out[3];
