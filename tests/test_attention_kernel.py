@@ -116,7 +116,8 @@ def quantized(codec, keys, values, block_size=16):
     stores = [[s[0]] for s in codec.storage(1, HKV, blocks, block_size, d, "cpu")]
     window = torch.zeros(2, HKV, block_size, d)
     table = torch.arange(blocks, dtype=torch.int32)[None]
-    block_store, block_start = torch.zeros(blocks, dtype=torch.int32), torch.arange(blocks, dtype=torch.int32) * block_size
+    block_store = torch.zeros(blocks, dtype=torch.int32)
+    block_start = torch.arange(blocks, dtype=torch.int32) * block_size
     where = (table, block_store, block_start, block_size)
     prefill_pos = torch.arange(TOKENS, dtype=torch.int32)[None]
     kernels.ops().write_kv_quant(*stores, [window[0]], [window[1]], keys[None], values[None], *where, prefill_pos,

@@ -119,8 +119,11 @@ def test_a_step_mixing_a_prefill_and_a_decode_matches_separate_steps(tiny_engine
         engine.cache.prepare(1, a_prompt)
     mixed = together.step([1, 2], [a_prompt, [b_next]])  # [2, V]: A prefills 20 tokens while B decodes one
     alone = [apart.step([1], [a_prompt])[0], apart.step([2], [[b_next]])[0]]
-    torch.testing.assert_close(mixed[0], alone[0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(mixed[1], alone[1], atol=1e-5, rtol=1e-5)
+    # 21 rows take the prefill matmul, one row the decode kernel: the last bits may differ (measured 2e-6), and
+    # int8's 8-bit softmax weights can turn that into a step of one weight (measured 1.3e-5)
+    close = dict(atol=1e-4, rtol=1e-4) if cache == "paged-int8" else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mixed[0], alone[0], **close)
+    torch.testing.assert_close(mixed[1], alone[1], **close)
 
 
 # ---- the default model: 256 greedy tokens, token for token --------------------------------------------
