@@ -10,6 +10,7 @@ import torch
 
 from engine import kernels
 from engine.kv.attention import FLOAT_STORES
+from engine.kv.quantized import WINDOW_DTYPE
 
 pytestmark = pytest.mark.skipif(kernels.ops() is None, reason="the compiled kernels are not built here")
 
@@ -114,7 +115,7 @@ def quantized(codec, keys, values, block_size=16):
     window of the last part block, their KeyMap arguments and what the codes dequantize to [HKV, full, D] each."""
     blocks, d = -(-TOKENS // block_size), keys.shape[2]
     stores = [[s[0]] for s in codec.storage(1, HKV, blocks, block_size, d, "cpu")]
-    window = torch.zeros(2, HKV, block_size, d)
+    window = torch.zeros(2, HKV, block_size, d, dtype=WINDOW_DTYPE[codec.name] or torch.float32)
     table = torch.arange(blocks, dtype=torch.int32)[None]
     block_store = torch.zeros(blocks, dtype=torch.int32)
     block_start = torch.arange(blocks, dtype=torch.int32) * block_size
@@ -127,8 +128,9 @@ def quantized(codec, keys, values, block_size=16):
     g = full // block_size
     k_back = codec.dequantize_keys(k_codes[:, :full].reshape(HKV, g, block_size, -1), k_params[:, :g], torch.float32)
     v_back = codec.dequantize_values(v_codes[:, :full], v_params[:, :full], torch.float32)
-    seen_k = torch.cat([k_back, keys[:, full:]], dim=1)  # the window's rows are read in full precision
-    seen_v = torch.cat([v_back, values[:, full:]], dim=1)
+    rows = WINDOW_DTYPE[codec.name] or torch.float32  # what the window's rows are held in
+    seen_k = torch.cat([k_back, keys[:, full:].to(rows).float()], dim=1)
+    seen_v = torch.cat([v_back, values[:, full:].to(rows).float()], dim=1)
     return stores, window, where, full, seen_k, seen_v
 
 

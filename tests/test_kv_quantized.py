@@ -93,12 +93,13 @@ def test_the_kernel_quantizes_int4_keys_to_the_bits_of_the_pure_pytorch_codec():
     h, d, bs, t = 3, 64, 16, 128
     k, v = torch.randn(1, h, t, d) * torch.linspace(0.2, 5, d) + 2 * torch.randn(d), torch.randn(1, h, t, d)
     stores = [[s[0]] for s in quant.INT4.storage(1, h, t // bs, bs, d, "cpu")]
-    window = torch.zeros(2, h, bs, d)  # no residual, no sink: every full block is quantized as it fills
+    window = torch.zeros(2, h, bs, d, dtype=torch.float16)  # no residual, no sink: a block is quantized as it fills
     keys = KeyMap.build([list(range(t // bs))], torch.zeros(t // bs, dtype=torch.int32),
                         torch.arange(t // bs, dtype=torch.int32) * bs, bs, [0], [t], torch.device("cpu"))
     kernels.ops().write_kv_quant(*stores, [window[0]], [window[1]], k, v, keys.table, keys.block_store,
                                  keys.block_start, bs, keys.q_pos, torch.zeros(1, dtype=torch.int32), 0, 0, 4)
-    codes, params = quant.quantize_keys_int4(k[0].view(h, t // bs, bs, d))
+    held = k[0].half().float()  # a block is quantized from the window's float16 rows
+    codes, params = quant.quantize_keys_int4(held.view(h, t // bs, bs, d))
     assert torch.equal(stores[0][0], codes.reshape(h, t, d // 2)) and torch.equal(stores[2][0], params)
 
 

@@ -1299,7 +1299,7 @@ void attend_tile(const float* q, float* part, const K& keys, const V& values, co
 // code in 0..15, two codes a byte (byte j holds channel j in its low nibble and channel j + D/2 in its high one).
 // Keys: a scale (int4: and a minimum) per channel over the tokens of one block, since a few channels of the keys
 // carry outliers and per-channel groups keep them from spoiling the others; values: per token and head.
-// A sequence's newest tokens stay in full precision in its float32 window, a ring of W rows (position p in row
+// A sequence's newest tokens stay in full precision in its window (int4: float16), a ring of W rows (position p in row
 // p % W): a block is quantized when the sequence has `residual` more tokens after it (KIVI's full-precision
 // residual; 0: when the block fills), and only from the sequence's boundary `upto` on (blocks below it hold
 // their codes already, maybe shared with other sequences). The quantized positions are [0, full) with
@@ -1310,17 +1310,21 @@ void attend_tile(const float* q, float* part, const K& keys, const V& values, co
 // token's value scale into its softmax weight; a block's codes become floats once, in a small scratch that
 // every query vector of the tile reads, never a float copy of the cache.
 
+// a window's rows: int4's 160 full-precision rows in float16 (as KIVI keeps its residual: half the bytes a step
+// reads), int8's one part block in the activations' float32 (exact until the block fills)
+template <int BITS> using WindowRow = std::conditional_t<BITS == 4, c10::Half, float>;
+
 template <int BITS>
 struct QuantRows {
   int64_t first = 0, full = 0, ring = 1;  // ring: the window's rows (position p in row p % ring)
   int64_t sink = 0;                     // positions below it are read from the sink rows
-  const float* sink_rows = nullptr;     // [sink, D]
+  const WindowRow<BITS>* sink_rows = nullptr;  // [sink, D]
   const uint8_t* const* code = nullptr;    // per quantized position from `first`: its codes
   const uint16_t* const* param = nullptr;  // keys: the block's [D] scales (int4: then [D] minimums); values: the
                                            // token's scale (int4: then its minimum)
   int64_t known = 0;  // code and param cover [first, known): the tile's codes and the next ones, to prefetch
   int64_t end = 0;    // the sequence's length: the window holds [full, end)
-  const float* window = nullptr;       // [ring, D] rows
+  const WindowRow<BITS>* window = nullptr;     // [ring, D] rows
 };
 
 template <int BITS>
@@ -2233,8 +2237,8 @@ struct LaterRows {
   void fetch(const QuantRows<BITS>& keys, const QuantRows<BITS>& values, int64_t d, int64_t upto) {
     for (; done < upto; ++done) {
       int64_t p = done < sink ? done : w0 + done - sink;
-      const float* k = p < keys.sink ? keys.sink_rows + p * d : keys.window + (p % keys.ring) * d;
-      const float* v = p < values.sink ? values.sink_rows + p * d : values.window + (p % values.ring) * d;
+      const WindowRow<BITS>* k = p < keys.sink ? keys.sink_rows + p * d : keys.window + (p % keys.ring) * d;
+      const WindowRow<BITS>* v = p < values.sink ? values.sink_rows + p * d : values.window + (p % values.ring) * d;
       prefetch_span(k, k + d, _MM_HINT_T1);
       prefetch_span(v, v + d, _MM_HINT_T1);
     }
@@ -2384,7 +2388,7 @@ void attend_tile(const float* q, float* part, const QuantRows<BITS>& keys, const
   int64_t n = k1 - k0, padded = (n + 7) / 8 * 8, nq = rows * group, stride = d + 2;
   int64_t qstart = std::clamp(keys.sink, k0, k1), qend = std::clamp(keys.full, qstart, k1);  // codes: [qstart, qend)
   thread_local std::vector<float> scores;
-  thread_local std::vector<const float*> window_k, window_v;
+  thread_local std::vector<const WindowRow<BITS>*> window_k, window_v;
   thread_local std::vector<int64_t> last;  // each vector's last key in this tile, from k0
   scores.assign(nq * padded, 0.f);
   last.resize(nq);
@@ -2393,7 +2397,7 @@ void attend_tile(const float* q, float* part, const QuantRows<BITS>& keys, const
   // full-precision rows: the sink's [k0, qstart), the window's [qend, k1), each scored in position order
   window_k.resize(n);
   window_v.resize(n);
-  const float **wk = window_k.data(), **wv = window_v.data();  // (a thread_local's address is a call in a loop)
+  const WindowRow<BITS>**wk = window_k.data(), **wv = window_v.data();  // (a thread_local's address: a call)
   for (int64_t p = k0; p < qstart; ++p) wk[p - k0] = keys.sink_rows + p * d, wv[p - k0] = values.sink_rows + p * d;
   for (int64_t p = qend; p < k1; ++p) {
     wk[p - k0] = keys.window + (p % keys.ring) * d;
@@ -2669,7 +2673,7 @@ struct QuantStores {
   StoreAddresses<uint8_t> k, v;  // codes [Hkv, slots, D] int8 or [Hkv, slots, D/2] two int4 a byte
   StoreAddresses<KeyParam<BITS>> k_param;  // [Hkv, blocks, D] float16 (int8) / [Hkv, blocks, 2D + 4] bytes (int4)
   StoreAddresses<at::Half> v_param;  // [Hkv, slots] / [Hkv, slots, 2]
-  StoreAddresses<float> k_window, v_window;  // per sequence [Hkv, sink + ring, D] float32: sink rows, then the ring
+  StoreAddresses<WindowRow<BITS>> k_window, v_window;  // per sequence [Hkv, sink + ring, D]: sink rows, then the ring
   const StepMap& map;
   int64_t hkv;
   const int32_t* upto;
@@ -2714,7 +2718,7 @@ struct QuantStores {
   }
 };
 
-// a quantized cache's tensors: codes, scales and per-sequence float32 windows of rows of D
+// a quantized cache's tensors: codes, scales and per-sequence windows of rows of D (int4: float16, int8: float32)
 void check_quant_stores(int64_t bits, const std::vector<at::Tensor>& k_stores, const std::vector<at::Tensor>& v_stores,
                         const std::vector<at::Tensor>& k_params, const std::vector<at::Tensor>& v_params,
                         const std::vector<at::Tensor>& k_windows, const std::vector<at::Tensor>& v_windows) {
@@ -2726,8 +2730,9 @@ void check_quant_stores(int64_t bits, const std::vector<at::Tensor>& k_stores, c
   check_stores(v_stores, codes, 3, "value codes");
   check_stores(k_params, bits == 8 ? at::kHalf : at::kByte, 3, "key scales");
   check_stores(v_params, at::kHalf, bits == 8 ? 2 : 3, "value scales");
-  check_stores(k_windows, at::kFloat, 3, "key windows");
-  check_stores(v_windows, at::kFloat, 3, "value windows");
+  auto rows = bits == 4 ? at::kHalf : at::kFloat;  // WindowRow
+  check_stores(k_windows, rows, 3, "key windows");
+  check_stores(v_windows, rows, 3, "value windows");
   TORCH_CHECK(k_windows.size() == v_windows.size(), "one value window per key window");
   for (const auto* windows : {&k_windows, &v_windows})
     for (const auto& w : *windows) TORCH_CHECK(w.stride(1) == w.size(2), "windows: contiguous rows of D");
@@ -2823,7 +2828,7 @@ void quantize_block(const float* kwin, const float* vwin, int64_t bs, int64_t d,
     quantize_group<BITS>(vwin + r * d, d, 1, v_prm[r], 1, [&](int64_t j, uint8_t c) { put_code<BITS>(v_rows[r], j, d, c); });
 }
 
-// writes of a quantized cache: each new token goes to its sequence's float32 window (row p % W); when the
+// writes of a quantized cache: each new token goes to its sequence's window (row p % W); when the
 // sequence then has `residual` tokens after a block, that block is quantized into its store (see the head)
 template <int BITS>
 void write_quant(const std::vector<at::Tensor>& k_stores, const std::vector<at::Tensor>& v_stores,
@@ -2836,7 +2841,7 @@ void write_quant(const std::vector<at::Tensor>& k_stores, const std::vector<at::
   StoreAddresses<uint8_t> kq(k_stores), vq(v_stores);
   StoreAddresses<KeyParam<BITS>> kp(k_params);
   StoreAddresses<at::Half> vp(v_params);
-  StoreAddresses<float> kw(k_windows), vw(v_windows);
+  StoreAddresses<WindowRow<BITS>> kw(k_windows), vw(v_windows);
   const float *kx = k.data_ptr<float>(), *vx = v.data_ptr<float>();
   thread_local std::vector<uint8_t*> k_rows, v_rows;  // (kept between calls: a layer's write is a call a step)
   thread_local std::vector<uint16_t*> v_prm;
@@ -2855,14 +2860,14 @@ void write_quant(const std::vector<at::Tensor>& k_stores, const std::vector<at::
       int64_t blk = quantize ? map.table[bi * map.width + first / bs] : 0;
       int64_t store = map.block_store[blk], start = map.block_start[blk];
       for (int64_t hi = 0; hi < h; ++hi) {
-        float* kwin = const_cast<float*>(kw.at(bi, hi, sink));
-        float* vwin = const_cast<float*>(vw.at(bi, hi, sink));
+        auto* kwin = const_cast<WindowRow<BITS>*>(kw.at(bi, hi, sink));
+        auto* vwin = const_cast<WindowRow<BITS>*>(vw.at(bi, hi, sink));
         const float *krow = kx + ((bi * h + hi) * t + ti) * d, *vrow = vx + ((bi * h + hi) * t + ti) * d;
         std::copy_n(krow, d, kwin + (p % ring) * d);
         std::copy_n(vrow, d, vwin + (p % ring) * d);
         if (p < sink) {  // the sink's rows come first in the window tensor
-          std::copy_n(krow, d, const_cast<float*>(kw.at(bi, hi, p)));
-          std::copy_n(vrow, d, const_cast<float*>(vw.at(bi, hi, p)));
+          std::copy_n(krow, d, const_cast<WindowRow<BITS>*>(kw.at(bi, hi, p)));
+          std::copy_n(vrow, d, const_cast<WindowRow<BITS>*>(vw.at(bi, hi, p)));
         }
         if (!quantize) continue;
         for (int64_t r = 0; r < bs; ++r) {
@@ -2901,7 +2906,7 @@ void write_kv_quant(std::vector<at::Tensor> k_stores, std::vector<at::Tensor> v_
     write_quant<4>(k_stores, v_stores, k_params, v_params, k_windows, v_windows, k, v, map, up, residual, sink);
 }
 
-// a quantized cache: as `attention`, over codes and their scales, and per sequence a float32 window holding its
+// a quantized cache: as `attention`, over codes and their scales, and per sequence a window holding its
 // positions from the last full block on (the block being filled)
 at::Tensor attention_quant(const at::Tensor& q, std::vector<at::Tensor> k_stores, std::vector<at::Tensor> v_stores,
                            std::vector<at::Tensor> k_params, std::vector<at::Tensor> v_params,

@@ -107,6 +107,7 @@ def _attention_runner(name: str, tokens: int, heads: int, head_dim: int, layers:
     """A callable attending one query row per layer over a synthetic cache of `tokens` tokens in precision `name`."""
     from engine.kv.attention import KeyMap, attend
     from engine.kv.quant import CODECS
+    from engine.kv.quantized import WINDOW_DTYPE
 
     q = torch.randn(1, heads * 3, 1, head_dim)
     if name not in CODECS:
@@ -121,7 +122,7 @@ def _attention_runner(name: str, tokens: int, heads: int, head_dim: int, layers:
                         torch.arange(blocks, dtype=torch.int32) * bs, bs, [tokens - 1], [1], torch.device("cpu"))
     stores = [[t[0].random_(0, 15) if t.dtype != torch.float16 else t[0].uniform_(0.01, 0.02)
                for t in codec.storage(1, heads, blocks, bs, head_dim, "cpu")] for _ in range(layers)]
-    window = torch.randn(2, heads, bs, head_dim)  # no residual, no sink: the codes are read
+    window = torch.randn(2, heads, bs, head_dim).to(WINDOW_DTYPE[name] or torch.float32)  # no residual, no sink
     ops, upto = kernels.ops(), torch.zeros(1, dtype=torch.int32)
     where = (keys.table, keys.block_store, keys.block_start, bs, keys.q_pos, upto, 0, 0, codec.bits)
     return lambda: [ops.attention_quant(q, *[[t] for t in s], [window[0]], [window[1]], *where) for s in stores]

@@ -25,6 +25,9 @@ from engine.kv import quant
 from engine.kv.attention import KeyMap
 
 RESIDUAL = {"int8": 0, "int4": 128}  # tokens kept in full precision after the last quantized block
+# the window's and the sink's rows: int4's 160 in float16, as KIVI keeps its residual (half the bytes a step reads);
+# int8's part block in the activations' dtype (exact until the block fills)
+WINDOW_DTYPE = {"int8": None, "int4": torch.float16}
 SINK = {"int8": 0, "int4": 32}  # the first tokens, kept in full precision
 
 
@@ -50,6 +53,7 @@ class QuantState:
         self.rows = residual + block_size  # the ring's
         self.shape = (2, config.num_layers, config.num_kv_heads, sink + self.rows, config.head_dim)
         self.dtype, self.device = dtype, device
+        self.window_dtype = WINDOW_DTYPE[codec.name] or dtype
         self.seqs: dict[int, Held] = {}
 
     # ---- per sequence
@@ -57,7 +61,7 @@ class QuantState:
         """A sequence that holds `upto` tokens as codes (shared from the prefix cache) and nothing else."""
         held = self.seqs.get(seq_id)
         if held is None:
-            held = self.seqs[seq_id] = Held(torch.zeros(self.shape, dtype=self.dtype, device=self.device))
+            held = self.seqs[seq_id] = Held(torch.zeros(self.shape, dtype=self.window_dtype, device=self.device))
         held.upto = upto
 
     def release(self, seq_id: int) -> None:
@@ -84,8 +88,8 @@ class QuantState:
         for layer in range(self.shape[1]) if keep > first else ():
             k, v = block_of(layer, first)
             rows = self.ring_rows(first, keep)
-            held.window[0, layer].index_copy_(1, rows, k[:, : keep - first].to(self.dtype))
-            held.window[1, layer].index_copy_(1, rows, v[:, : keep - first].to(self.dtype))
+            held.window[0, layer].index_copy_(1, rows, k[:, : keep - first].to(self.window_dtype))
+            held.window[1, layer].index_copy_(1, rows, v[:, : keep - first].to(self.window_dtype))
         held.upto = first
 
     def upto_tensor(self, seq_ids: list[int]) -> torch.Tensor:
@@ -127,16 +131,16 @@ class QuantState:
         held, bs, window = self.seqs[seq_id], self.block_size, self.seqs[seq_id].window[:, layer]
         n, start = k.shape[1], past
         sunk = max(0, min(self.sink, past + n) - past)  # new tokens below the sink: its rows as well
-        window[0, :, past:past + sunk] = k[:, :sunk].to(self.dtype)
-        window[1, :, past:past + sunk] = v[:, :sunk].to(self.dtype)
+        window[0, :, past:past + sunk] = k[:, :sunk].to(self.window_dtype)
+        window[1, :, past:past + sunk] = v[:, :sunk].to(self.window_dtype)
         for p in range(past, past + n):
             first = p + 1 - self.residual - bs
             leaves = first >= 0 and (p + 1 - self.residual) % bs == 0 and first >= held.upto
             if not leaves and p < past + n - 1:
                 continue
             rows = self.ring_rows(start, p + 1)
-            window[0].index_copy_(1, rows, k[:, start - past:p + 1 - past].to(self.dtype))
-            window[1].index_copy_(1, rows, v[:, start - past:p + 1 - past].to(self.dtype))
+            window[0].index_copy_(1, rows, k[:, start - past:p + 1 - past].to(self.window_dtype))
+            window[1].index_copy_(1, rows, v[:, start - past:p + 1 - past].to(self.window_dtype))
             start = p + 1
             if leaves:
                 self._quantize_block(layer, stores, window, first, *locate(first))
@@ -157,7 +161,7 @@ class QuantState:
              kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """-> keys, values [Hkv, kv_len, D] of the sequence in position order (codes dequantized)."""
         bs, full = self.block_size, self.quantized_end(seq_id, kv_len)
-        sunk, window = min(self.sink, kv_len), self.seqs[seq_id].window[:, layer]
+        sunk, window = min(self.sink, kv_len), self.seqs[seq_id].window[:, layer].to(self.dtype)
         parts = [(window[0, :, :sunk], window[1, :, :sunk])]
         coded = [self.block(stores, *locate(p)) for p in range(sunk // bs * bs, full, bs)]
         if coded:  # from the sink's end to full

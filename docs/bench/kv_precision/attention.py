@@ -17,7 +17,7 @@ import torch
 from engine import kernels
 from engine.kv.attention import KeyMap
 from engine.kv.quant import CODECS
-from engine.kv.quantized import RESIDUAL, SINK
+from engine.kv.quantized import RESIDUAL, SINK, WINDOW_DTYPE
 
 LAYERS, HQ, HKV, D, BS = 30, 9, 3, 64, 16
 WEIGHTS_BYTES = 4 << 20  # ~ one layer's int4 weights of the default model
@@ -48,7 +48,7 @@ def quant_runner(name, tokens, q, keys):
         k = torch.randn(1, HKV, tokens, D) * torch.linspace(0.5, 4, D)  # a few larger channels, as real keys have
         v = torch.randn(1, HKV, tokens, D)
         stores = [[t[0]] for t in codec.storage(1, HKV, blocks, BS, D, "cpu")]
-        windows = torch.zeros(2, HKV, sink + residual + BS, D)
+        windows = torch.zeros(2, HKV, sink + residual + BS, D, dtype=WINDOW_DTYPE[name] or torch.float32)
         pos = torch.arange(tokens, dtype=torch.int32)[None]
         prefill = KeyMap.build([list(range(blocks))], keys.block_store, keys.block_start, BS, [0], [tokens],
                                torch.device("cpu"))
