@@ -188,7 +188,7 @@ class Engine:
 
     def _resolve_kv_precision(self, kv_dtype: str | None) -> None:
         """kv_precision: the setting resolved (auto measured); kv_dtype: the float dtype it stores, or for a
-        quantized precision the dtype of its full-precision window (the activations')."""
+        quantized precision the activations' (its full-precision window keeps int8's rows so, int4's in float16)."""
         self.kv_precision = precision.resolve(kv_dtype, self.device, self.dtype, loader.cache_root())
         self.kv_dtype = self.dtype if self.kv_precision in precision.QUANTIZED else getattr(torch, self.kv_precision)
 

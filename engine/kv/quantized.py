@@ -25,10 +25,10 @@ from engine.kv import quant
 from engine.kv.attention import KeyMap
 
 RESIDUAL = {"int8": 0, "int4": 128}  # tokens kept in full precision after the last quantized block
+SINK = {"int8": 0, "int4": 32}  # the first tokens, kept in full precision
 # the window's and the sink's rows: int4's 160 in float16, as KIVI keeps its residual (half the bytes a step reads);
 # int8's part block in the activations' dtype (exact until the block fills)
 WINDOW_DTYPE = {"int8": None, "int4": torch.float16}
-SINK = {"int8": 0, "int4": 32}  # the first tokens, kept in full precision
 
 
 @dataclass
