@@ -1948,7 +1948,7 @@ inline void quad_codes(const uint8_t* const* r, int64_t d, __m512i* out) {
 }
 
 // the first channel of register r of quad_codes' output
-inline int64_t pair_channel(int bits, int64_t r, int64_t d) {
+inline int64_t quad_channel(int bits, int64_t r, int64_t d) {
   if (bits == 4) return r / 4 * 32 + (r % 4) / 2 * 16 + (r % 2) * (d / 2);
   return r * 16;
 }
@@ -2001,7 +2001,7 @@ void weigh_values_512(const uint8_t* const* rows, int64_t n, int64_t ahead, int6
   for (int64_t v = 0; v < nv; ++v) {
     weights_8bit(weights + v * stride_w, n, w8.data() + v * chunks * WEIGHT_CHUNK, dw.data() + v * chunks);
     const float* out = part + active[v] * stride + 2;
-    for (int64_t r = 0; r < regs; ++r) acc[v * regs + r] = _mm512_loadu_ps(out + pair_channel(BITS, r, d));
+    for (int64_t r = 0; r < regs; ++r) acc[v * regs + r] = _mm512_loadu_ps(out + quad_channel(BITS, r, d));
   }
   quads.resize(WEIGHT_CHUNK / 4 * regs);
   for (int64_t p0 = 0, c = 0; p0 < n; p0 += WEIGHT_CHUNK, ++c) {
@@ -2023,14 +2023,14 @@ void weigh_values_512(const uint8_t* const* rows, int64_t n, int64_t ahead, int6
     const __m512 vbias = _mm512_set1_ps(bias[v]);
     float* out = part + active[v] * stride + 2;
     for (int64_t r = 0; r < regs; ++r)
-      _mm512_storeu_ps(out + pair_channel(BITS, r, d), _mm512_add_ps(acc[v * regs + r], vbias));
+      _mm512_storeu_ps(out + quad_channel(BITS, r, d), _mm512_add_ps(acc[v * regs + r], vbias));
   }
 }
 #endif
 
 #ifdef KVSCOPE_AVX2
-// every active vector's values over the codes of [qstart, qstart + n): weights (float, [active][n_even], zeros past
-// a vector's last key) -> part_i[2..] += dw_i * (integer sums) + bias_i
+// every active vector's values over the codes of [qstart, qstart + n): weights (float, `stride_w` apart, zeros past
+// a vector's last key) -> part_i[2..] = chunk by chunk fma(integer sums, dw, part_i), then + bias_i
 template <int BITS>
 inline void weigh_int_values(const uint8_t* const* rows, int64_t n, int64_t ahead, int64_t d,
                              const std::vector<int64_t>& active, const float* weights, int64_t stride_w,
