@@ -228,3 +228,13 @@ def test_auto_takes_the_smaller_format_when_a_bigger_one_is_barely_faster():
 
     assert fastest_or_smallest({"float32": 292.6, "bfloat16": 457.4, "int8": 331.2, "int4": 316.6}) == "int4"
     assert fastest_or_smallest({"float32": 200.0, "bfloat16": 400.0, "int8": 300.0, "int4": 300.0}) == "float32"
+
+
+def test_the_measurement_streams_a_copy_of_its_own_per_layer_in_every_format():
+    from engine.weights.convert import AUTO_CANDIDATES, weight_copies
+
+    w = torch.randn(64, 64)
+    for fmt in {"float32", *AUTO_CANDIDATES}:
+        modules = weight_copies(w, fmt, 3)
+        places = [t.data_ptr() for m in modules for t in m.state_dict().values()]
+        assert len(set(places)) == len(places), fmt  # shared memory would be timed from the caches

@@ -104,6 +104,7 @@ def apply_format(model: nn.Module, fmt: str) -> None:
 
 # ---- auto
 STREAM_BYTES = 256 * 2**20  # float32 bytes a measurement streams at most: more than the processor's caches
+MEASUREMENT = 2  # in a remembered choice's key: one made by an older measurement is measured again
 
 
 def resolve_auto(device: torch.device, shape: tuple[int, int], cache_dir: Path | None,
@@ -117,7 +118,8 @@ def resolve_auto(device: torch.device, shape: tuple[int, int], cache_dir: Path |
         return "bfloat16"
     stream_bytes = max(1, min(stream_bytes, STREAM_BYTES))
     key = f"{cpu_model()}|torch {torch.__version__}|threads {torch.get_num_threads()}|{shape[0]}x{shape[1]}" \
-          f"|{stream_bytes >> 10} KiB|{kernels.TAG if kernels.available() else 'torch kernels'}"  # new kernels: again
+          f"|{stream_bytes >> 10} KiB|measurement {MEASUREMENT}" \
+          f"|{kernels.TAG if kernels.available() else 'torch kernels'}"  # new kernels: measured again
     remembered = _read_choices(cache_dir)
     if key in remembered:
         return remembered[key]["choice"]
@@ -153,7 +155,7 @@ def measure_decode_formats(shape: tuple[int, int], repeats: int = 15,
     copies = max(1, -(-stream_bytes // (n * k * 4)))
     timings = {}
     for fmt in ("float32", "bfloat16", "int8", "int4"):
-        modules = [build_linear(to_format(w, fmt)) for _ in range(copies)]
+        modules = weight_copies(w, fmt, copies)
         samples = []
         for i in range(repeats + 2):
             start = time.perf_counter()
@@ -164,6 +166,13 @@ def measure_decode_formats(shape: tuple[int, int], repeats: int = 15,
         timings[fmt] = round(min(samples) * 1e6, 1)
         del modules
     return timings
+
+
+def weight_copies(w: torch.Tensor, fmt: str, copies: int) -> list[WeightLinear]:
+    """`copies` modules of w in `fmt`, each in memory of its own. (to_format returns a float32 tensor itself: copies
+    of one tensor stayed in the caches, so float32 was timed at 84-133 GB/s and `auto` picked it at two threads,
+    where the model's step then ran twice as slow as in int4.)"""
+    return [build_linear(to_format(w.clone(), fmt)) for _ in range(copies)]
 
 
 def _read_choices(cache_dir: Path | None) -> dict:
