@@ -1324,6 +1324,8 @@ struct QuantRows {
                                            // token's scale (int4: then its minimum)
   int64_t known = 0;  // code and param cover [first, known): the tile's codes and the next ones, to prefetch
   int64_t end = 0;    // the sequence's length: the window holds [full, end)
+  int64_t block_size = 1;  // positions [k bs, (k + 1) bs) share a block's key scales and adjacent rows
+  int64_t block_end(int64_t p, int64_t limit) const { return std::min(limit, (p / block_size + 1) * block_size); }
   const WindowRow<BITS>* window = nullptr;     // [ring, D] rows
 };
 
@@ -2144,7 +2146,7 @@ inline void prefetch_codes(const QuantRows<BITS>& keys, const QuantRows<BITS>& v
   b = std::min(b, keys.known);
   for (int64_t s = a, e = a; s < b; s = e) {
     const uint16_t* prm = keys.param[s - keys.first];
-    while (e < b && keys.param[e - keys.first] == prm) ++e;
+    e = keys.block_end(s, b);
     int64_t n = e - s;
     fetch(keys.code[s - keys.first], keys.code[s - keys.first] + n * bytes);
     fetch(prm, reinterpret_cast<const char*>(prm) + key_param_bytes(BITS, d));
@@ -2264,7 +2266,7 @@ void score_quantized(const float* q, const QuantRows<BITS>& keys, const QuantRow
                      // a thread_local's address is a call into the loader, which the compiler repeats in loops)
   for (int64_t s = qstart, e = qstart; s < qend; s = e) {
     const uint16_t* prm = keys.param[s - keys.first];
-    while (e < qend && keys.param[e - keys.first] == prm) ++e;
+    e = keys.block_end(s, qend);
     later.fetch(keys, values, d, (e - qstart) * later.count() / (qend - qstart));
     if (s == qstart) prefetch_codes(keys, values, s, s + PREFETCH_AHEAD, d * BITS / 8, d);
     ahead.clear();
@@ -2688,6 +2690,7 @@ struct QuantStores {
     int64_t end = map.kv_len(b), full = quantized_end(upto[b], end, residual, map.block_size), bs = map.block_size;
     keys.full = values.full = full;
     keys.end = values.end = end;
+    keys.block_size = values.block_size = bs;
     keys.ring = values.ring = ring;
     keys.sink = values.sink = sink;
     keys.sink_rows = k_window.at(b, h, 0);
