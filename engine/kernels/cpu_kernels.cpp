@@ -876,8 +876,7 @@ template <typename T>
 struct StoreRows {
   using Element = T;
   int64_t first = 0;  // the position of at[0]
-  std::vector<const T*> at;  // per position from `first`
-  const T* raw(int64_t p) const { return at[p - first]; }
+  const T* const* at = nullptr;  // per position from `first` (in the thread's scratch until its next tile)
 };
 
 // Attention over fixed key tiles: the keys of positions [t * KEY_TILE, (t + 1) * KEY_TILE) form tile t, whatever
@@ -1261,12 +1260,9 @@ void attend_tile(const float* q, float* part, const K& keys, const V& values, co
   using TK = typename K::Element;
   using TV = typename V::Element;
   int64_t n = k1 - k0, padded = (n + 7) / 8 * 8, nq = rows * group, stride = d + 2;
-  thread_local std::vector<const TK*> rows_k;  // the stored rows, read in place in their own type
-  thread_local std::vector<const TV*> rows_v;
+  const TK* const* rows_k = keys.at + (k0 - keys.first);  // the stored rows, read in place in their own type
+  const TV* const* rows_v = values.at + (k0 - values.first);
   thread_local std::vector<float> scores;
-  rows_k.resize(n);
-  rows_v.resize(n);
-  for (int64_t p = k0; p < k1; ++p) rows_k[p - k0] = keys.raw(p), rows_v[p - k0] = values.raw(p);
   scores.assign(nq * padded, 0.f);
   std::vector<int64_t> last(nq);  // each vector's last key in this tile, from k0
   for (int64_t i = 0; i < nq; ++i) last[i] = std::min<int64_t>(pos[i / group], k1 - 1) - k0;
@@ -1283,14 +1279,14 @@ void attend_tile(const float* q, float* part, const K& keys, const V& values, co
       prefetch_row(rows_k[a], rows_v[a], d * static_cast<int64_t>(sizeof(TK)));
     for (int64_t r = 0; r < rows; ++r)  // a row's group of vectors shares its position, so its keys
       if (p <= last[r * group])
-        score_group(q + r * group * d, group, d, rows_k.data() + p, std::min(KEYS_AT_ONCE, last[r * group] + 1 - p),
+        score_group(q + r * group * d, group, d, rows_k + p, std::min(KEYS_AT_ONCE, last[r * group] + 1 - p),
                     scores.data() + r * group * padded + p, padded);
   }
   start_partials(part, scores.data(), last.data(), nq, padded, d);
   for (int64_t p = 0; p < n; p += VALUES_AT_ONCE)
     for (int64_t r = 0; r < rows; ++r)
       if (p <= last[r * group])
-        weigh_group(scores.data() + r * group * padded + p, padded, group, rows_v.data() + p,
+        weigh_group(scores.data() + r * group * padded + p, padded, group, rows_v + p,
                     std::min(VALUES_AT_ONCE, last[r * group] + 1 - p), part + r * group * stride + 2, stride, d);
 }
 
@@ -2458,15 +2454,6 @@ struct StepMap {  // where a step's keys are: see `attention` below
       visit(first, std::min(k1, p0 + block_size), block_store[blk], block_start[blk] + first - p0);
     }
   }
-  // calls visit(p, store, slot) for positions k0..k1-1 of sequence b, block by block
-  template <typename Visit>
-  void each_position(int64_t b, int64_t k0, int64_t k1, Visit visit) const {
-    for (int64_t p0 = k0 / block_size * block_size; p0 < k1; p0 += block_size) {
-      int64_t blk = table[b * width + p0 / block_size], store = block_store[blk], start = block_start[blk];
-      int64_t end = std::min(k1, p0 + block_size);
-      for (int64_t p = std::max(p0, k0); p < end; ++p) visit(p, store, start + p - p0);
-    }
-  }
 };
 
 // the address of (head, slot) in each store, without touching the tensors in the hot loop
@@ -2567,16 +2554,18 @@ struct FloatStores {
   const StepMap& map;
   int64_t hkv;
   int64_t num_kv_heads() const { return hkv; }
+  // the rows of tile [k0, k1) of sequence b, head h, a block at a time (a block's rows are a stride apart)
   std::pair<StoreRows<T>, StoreRows<T>> operator()(int64_t b, int64_t h, int64_t k0, int64_t k1) const {
-    StoreRows<T> keys, values;
-    keys.first = values.first = k0;
-    keys.at.resize(k1 - k0);
-    values.at.resize(k1 - k0);
-    map.each_position(b, k0, k1, [&](int64_t p, int64_t store, int64_t slot) {
-      keys.at[p - k0] = k.at(store, h, slot);
-      values.at[p - k0] = v.at(store, h, slot);
+    thread_local std::vector<const T*> k_at, v_at;
+    k_at.resize(k1 - k0), v_at.resize(k1 - k0);
+    const T** kat = k_at.data();  // (a thread_local's address is a call: looked up once)
+    const T** vat = v_at.data();
+    map.each_block(b, k0, k1, [&](int64_t p0, int64_t p1, int64_t store, int64_t slot) {
+      const T *kr = k.at(store, h, slot), *vr = v.at(store, h, slot);
+      int64_t ks = k.slot_stride[store], vs = v.slot_stride[store];
+      for (int64_t p = p0; p < p1; ++p, kr += ks, vr += vs) kat[p - k0] = kr, vat[p - k0] = vr;
     });
-    return {keys, values};
+    return {StoreRows<T>{k0, kat}, StoreRows<T>{k0, vat}};
   }
 };
 
