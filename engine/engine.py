@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import torch
 
-from engine import loader
+from engine import hugepages, loader
 from engine.chat import Conversation, PromptTooLong, fit_to_context
 from engine.config import EngineConfig, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
@@ -134,6 +134,7 @@ class Engine:
             fmt = auto_weight_format(self.device, self.model.config, None)
         if fmt is not None:
             apply_format(self.model, fmt)
+        hugepages.pack_buffers(self.model)  # the weights a step streams, on huge pages (same values)
         return self.model.weight_format
 
     @property

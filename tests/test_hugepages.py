@@ -1,0 +1,90 @@
+"""The weights on huge pages: an engine's parameters and buffers live in one arena advised for transparent huge
+pages, with the same values, tied tensors still tied, and the same logits as before the move."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from engine import hugepages
+from engine.config import EngineConfig
+from engine.engine import Engine
+
+needs_thp = pytest.mark.skipif(not hugepages.available(), reason="no transparent huge pages on request here")
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(3000, 256)  # 3 MiB of float32: holds an aligned huge page
+        self.head = nn.Linear(256, 3000, bias=False)
+        self.head.weight = self.embed.weight
+        self.norm = nn.LayerNorm(256)
+        self.register_buffer("codes", torch.randint(0, 255, (1000, 96), dtype=torch.uint8))
+        self.register_buffer("strided", torch.randn(64, 32).t())  # not contiguous: left where it is
+
+
+def arena_span(module: nn.Module) -> tuple[int, int]:
+    tensors = [t for t in (*module.parameters(), *module.buffers()) if t.is_contiguous()]
+    return min(t.data_ptr() for t in tensors), max(t.data_ptr() + t.numel() * t.element_size() for t in tensors)
+
+
+def anon_huge_kib(start: int, end: int) -> int:
+    """AnonHugePages of the mappings of this process that overlap [start, end) (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo < end and start < hi
+            elif inside and line.startswith("AnonHugePages:"):
+                total += int(line.split()[1])
+    return total
+
+
+@needs_thp
+def test_packing_keeps_every_value_and_keeps_tied_tensors_one_tensor():
+    torch.manual_seed(0)
+    m = Tied()
+    before = {name: t.clone() for name, t in (*m.named_parameters(), *m.named_buffers())}
+    strided = m.strided
+    packed = hugepages.pack_buffers(m)
+    assert packed >= 3000 * 256 * 4
+    for name, t in (*m.named_parameters(), *m.named_buffers()):
+        assert torch.equal(t, before[name]), name
+    assert m.head.weight is m.embed.weight and isinstance(m.embed.weight, nn.Parameter)
+    assert m.strided is strided  # a non-contiguous buffer keeps its storage
+    start, end = arena_span(m)
+    assert end - start <= packed  # every contiguous tensor inside one arena
+    assert anon_huge_kib(start, end) >= 2048
+
+
+def test_a_module_smaller_than_a_huge_page_is_left_alone():
+    m = nn.Linear(16, 16)
+    ptr = m.weight.data_ptr()
+    assert hugepages.pack_buffers(m) == 0
+    assert m.weight.data_ptr() == ptr
+
+
+@needs_thp
+def test_the_engines_weights_sit_in_one_arena_and_compute_what_they_did(tiny_config, tokenizer):
+    from engine.model import LlamaModel
+
+    ids = [[5, 17, 99, 3]]
+    logits = []
+    for pack in (True, False):
+        with pytest.MonkeyPatch.context() as patch:
+            if not pack:
+                patch.setattr(hugepages, "available", lambda: False)
+            engine = Engine(LlamaModel.random(tiny_config, seed=1, std=0.1), tokenizer,
+                            EngineConfig(cache="paged", weights="float32"))
+        engine.cache.prepare(0, ids[0])
+        logits.append(engine.step([0], ids))
+        if pack:
+            packed = engine
+    assert torch.equal(*logits)
+    engine = packed
+    start, end = arena_span(engine.model)
+    assert end - start < 2 * sum(t.numel() * t.element_size() for t in engine.model.state_dict().values())
