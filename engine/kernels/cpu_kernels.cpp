@@ -903,12 +903,16 @@ struct Prefetches {
   static constexpr int MAX = 128;
   std::array<const char*, MAX> line{};
   int n = 0, next = 0;
-  void add(const void* from, const void* to) {
-    for (const char* p = line_of(from); p < static_cast<const char*>(to) && n < MAX; p += 64) line[n++] = p;
+  void add(const void* from, const void* to) {  // the count in a register (a member's store and reload a line)
+    int k = n;
+    for (const char* p = line_of(from); p < static_cast<const char*>(to) && k < MAX; p += 64) line[k++] = p;
+    n = k;
   }
   void issue(int count) {
 #ifdef KVSCOPE_AVX2
-    for (int end = std::min(n, next + count); next < end; ++next) _mm_prefetch(line[next], _MM_HINT_T0);
+    int k = next, end = std::min(n, next + count);
+    for (; k < end; ++k) _mm_prefetch(line[k], _MM_HINT_T0);
+    next = k;
 #endif
   }
   int left() const { return n - next; }
