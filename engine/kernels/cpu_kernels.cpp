@@ -458,26 +458,7 @@ inline float blocks_dot_scalar(int64_t k, const QuantizedRows& x, int64_t i, Cod
   return total;
 }
 
-#if defined(KVSCOPE_AVX512)
-constexpr int64_t ROW_LANES = 16;  // MAX_ROWS activation rows side by side in a register
-
-// the minimums' term of every activation row at once: lane i = sum over groups g (even and odd groups apart, then
-// the two) of mw[g] * xsg[g][i], xsg [groups][ROW_LANES] with zeros past the m rows: a lane's operations are the
-// same whatever m (a per-row dot product here was a chain of dependent scalar FMAs: 10% of an 8-row step)
-inline __m512 minimum_terms(const float* mw, const float* xsg, int64_t groups) {
-  __m512 even = _mm512_setzero_ps(), odd = even;
-  int64_t g = 0;
-  for (; g + 2 <= groups; g += 2) {
-    even = _mm512_fmadd_ps(_mm512_set1_ps(mw[g]), _mm512_loadu_ps(xsg + g * ROW_LANES), even);
-    odd = _mm512_fmadd_ps(_mm512_set1_ps(mw[g + 1]), _mm512_loadu_ps(xsg + (g + 1) * ROW_LANES), odd);
-  }
-  if (g < groups) even = _mm512_fmadd_ps(_mm512_set1_ps(mw[g]), _mm512_loadu_ps(xsg + g * ROW_LANES), even);
-  return _mm512_add_ps(even, odd);
-}
-#endif
-
-// one int4 row (codes crow, float scales dw / minimums mw per group) times M activation rows -> out[i * n];
-// xsg: the activation rows' sums of codes per group, [groups][ROW_LANES] on AVX-512, else [m][groups]
+// one int4 row (codes crow, float scales dw / minimums mw per group) times M activation rows -> out[i * n]
 template <int M, int G>
 inline void int4_row(const uint8_t* crow, const float* dw, const float* mw, int64_t k, const QuantizedRows& x,
                      const float* xsg, int64_t m, float* out, int64_t n) {
@@ -499,13 +480,7 @@ inline void int4_row(const uint8_t* crow, const float* dw, const float* mw, int6
         k, x, i, [&](int64_t b, int64_t j) { return int4_code(crow, G, b * QK / G, (b * QK) % G + j); },
         [&](int64_t b) { return dw[b * QK / G]; });
 #endif
-#if defined(KVSCOPE_AVX512)
-  alignas(64) float terms[ROW_LANES];
-  _mm512_store_ps(terms, minimum_terms(mw, xsg, groups));
-  for (int64_t i = 0; i < rows; ++i) out[i * n] = (sums[i] + terms[i]) * x.d[i];
-#else
   for (int64_t i = 0; i < rows; ++i) out[i * n] = (sums[i] + dot_floats(mw, xsg + i * groups, groups)) * x.d[i];
-#endif
 }
 
 // int4 weights: w = code * scale + minimum. codes: [N, K/2] uint8, per group of g (32 or 64) byte j = code j |
@@ -525,12 +500,6 @@ at::Tensor int4_linear(const at::Tensor& input, const at::Tensor& codes, const a
   int64_t sub = g / QK;
   for (int64_t i = 0; i < m; ++i)
     for (int64_t b = 0; b < k / QK; ++b) xsg[i * groups + b / sub] += rows.s[i * (k / QK) + b];
-#if defined(KVSCOPE_AVX512)
-  std::vector<float> per_row(std::move(xsg));
-  xsg.assign(groups * ROW_LANES, 0.f);  // [groups][ROW_LANES]: minimum_terms' layout
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t gi = 0; gi < groups; ++gi) xsg[gi * ROW_LANES + i] = per_row[i * groups + gi];
-#endif
   auto y = at::empty({m, n}, x.options());
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
