@@ -384,6 +384,14 @@ inline __m512 two_scales(float first, float second) {  // {first x 8, second x 8
   return _mm512_insertf32x8(_mm512_set1_ps(first), _mm256_set1_ps(second), 1);
 }
 
+// a pair's products with one activation row (its pair-ordered codes from qb) as floats: lanes 0-7 block b's sums,
+// 8-15 block b+1's (single: block b alone)
+inline __m512 pair_sums(const PairCodes& c, const int16_t* qb, bool single) {
+  __m512i first = single ? _mm512_maskz_loadu_epi16(0xFFFF, qb) : _mm512_loadu_si512(qb);
+  __m512i second = single ? _mm512_maskz_loadu_epi16(0xFFFF, qb + 16) : _mm512_loadu_si512(qb + 2 * 16);
+  return _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(_mm512_madd_epi16(c.first, first), c.second, second));
+}
+
 template <int G>
 inline PairCodes int4_pair(const uint8_t* crow, int64_t b, bool single) {
   const __m512i low = _mm512_set1_epi16(0x0F);
@@ -413,13 +421,7 @@ inline void pairs_dot(int64_t k, const QuantizedRows& x, int64_t m, const uint8_
   auto pair = [&](int64_t b, bool single, __m512* acc) {
     PairCodes c = codes(b, single);
     __m512 dw = scales(b, single);
-    for (int64_t i = 0; i < rows; ++i) {
-      const int16_t* q = x.q.data() + i * k + b * QK;
-      __m512i first = single ? _mm512_maskz_loadu_epi16(0xFFFF, q) : _mm512_loadu_si512(q);
-      __m512i second = single ? _mm512_maskz_loadu_epi16(0xFFFF, q + 16) : _mm512_loadu_si512(q + 2 * 16);
-      __m512i dot = _mm512_dpwssd_epi32(_mm512_madd_epi16(c.first, first), c.second, second);
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dw, acc[i]);
-    }
+    for (int64_t i = 0; i < rows; ++i) acc[i] = _mm512_fmadd_ps(pair_sums(c, x.q.data() + i * k + b * QK, single), dw, acc[i]);
   };
   auto fetch = [&](int64_t b) {
     _mm_prefetch(reinterpret_cast<const char*>(stream) + b * block_bytes + PREFETCH, _MM_HINT_T0);
@@ -484,6 +486,24 @@ inline void int4_row(const uint8_t* crow, const float* dw, const float* mw, int6
 }
 
 #if defined(KVSCOPE_AVX512)
+// pairs_dot's order for one activation row, its accumulators named: pair(b, single, acc) for pairs 0, 4, 8, ... into
+// even and 2, 6, ... into odd, the stream prefetched PREFETCH bytes ahead every 64 bytes
+template <typename Pair>
+inline void one_row_pairs(int64_t nb, const char* stream, int64_t block_bytes, Pair pair, __m512& even, __m512& odd) {
+  int64_t b = 0;
+  for (; b + 4 <= nb; b += 4) {
+    _mm_prefetch(stream + b * block_bytes + PREFETCH, _MM_HINT_T0);
+    pair(b, false, even);
+    if (block_bytes * 2 >= 64) _mm_prefetch(stream + (b + 2) * block_bytes + PREFETCH, _MM_HINT_T0);
+    pair(b + 2, false, odd);
+  }
+  if (b + 2 <= nb) pair(b, false, even), b += 2;
+  if (b < nb) {
+    if ((b / 2) % 2) pair(b, true, odd);
+    else pair(b, true, even);
+  }
+}
+
 // int4_row<1, 32> for the weight rows [n0, n1) in one loop: the same operations in the same order (so the same
 // bits), with the two accumulators named in one function (the per-row call spilled them and realigned its stack:
 // ~10 ns a row of ~28). dw, mw: scratch of groups rounded up to 16 floats.
@@ -499,29 +519,11 @@ __attribute__((noinline)) void int4_rows_one(const uint8_t* c, const uint16_t* s
     halves_to_floats(mn + row * groups, mw, groups);
     const uint8_t* crow = c + row * (k / 2);
     __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
-    int64_t b = 0;
-    for (; b + 4 <= nb; b += 4) {
-      _mm_prefetch(reinterpret_cast<const char*>(crow) + b * (QK / 2) + PREFETCH, _MM_HINT_T0);
-      PairCodes p0 = int4_pair<32>(crow, b, false), p1 = int4_pair<32>(crow, b + 2, false);
-      const int16_t* qb = q + b * QK;
-      __m512i d0i = _mm512_dpwssd_epi32(_mm512_madd_epi16(p0.first, _mm512_loadu_si512(qb)), p0.second, _mm512_loadu_si512(qb + 32));
-      __m512i d1i = _mm512_dpwssd_epi32(_mm512_madd_epi16(p1.first, _mm512_loadu_si512(qb + 64)), p1.second, _mm512_loadu_si512(qb + 96));
-      even = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0i), two_scales(dw[b], dw[b + 1]), even);
-      odd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1i), two_scales(dw[b + 2], dw[b + 3]), odd);
-    }
-    auto tail = [&](int64_t bb, bool single, __m512& acc) {
-      PairCodes p = int4_pair<32>(crow, bb, single);
-      const int16_t* qb = q + bb * QK;
-      __m512i first = single ? _mm512_maskz_loadu_epi16(0xFFFF, qb) : _mm512_loadu_si512(qb);
-      __m512i second = single ? _mm512_maskz_loadu_epi16(0xFFFF, qb + 16) : _mm512_loadu_si512(qb + 2 * 16);
-      __m512i dot = _mm512_dpwssd_epi32(_mm512_madd_epi16(p.first, first), p.second, second);
-      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), two_scales(dw[bb], single ? 0.f : dw[bb + 1]), acc);
+    auto pair = [&](int64_t b, bool single, __m512& acc) {
+      __m512 scale = two_scales(dw[b], single ? 0.f : dw[b + 1]);
+      acc = _mm512_fmadd_ps(pair_sums(int4_pair<32>(crow, b, single), q + b * QK, single), scale, acc);
     };
-    if (b + 2 <= nb) tail(b, false, even), b += 2;
-    if (b < nb) {
-      if ((b / 2) % 2) tail(b, true, odd);
-      else tail(b, true, even);
-    }
+    one_row_pairs(nb, reinterpret_cast<const char*>(crow), QK / 2, pair, even, odd);
     out[row] = (_mm512_reduce_add_ps(_mm512_add_ps(even, odd)) + dot_floats(mw, xsg, groups)) * d0;
   }
 }
@@ -605,28 +607,13 @@ __attribute__((noinline)) void int8_rows_one(const int8_t* c, const uint16_t* sc
     for (int64_t b = 0; per > 1 && b < nb; ++b) blocks[b] = dw[b / per];
     const float* bs = per > 1 ? blocks : dw;
     const int8_t* crow = c + row * k;
-    const char* stream = reinterpret_cast<const char*>(crow);
+    auto stream = reinterpret_cast<const char*>(crow);
     __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
     auto pair = [&](int64_t b, bool single, __m512& acc) {
-      PairCodes p = int8_pair(crow, b, single);
-      const int16_t* qb = q + b * QK;
-      __m512i first = single ? _mm512_maskz_loadu_epi16(0xFFFF, qb) : _mm512_loadu_si512(qb);
-      __m512i second = single ? _mm512_maskz_loadu_epi16(0xFFFF, qb + 16) : _mm512_loadu_si512(qb + 2 * 16);
-      __m512i dot = _mm512_dpwssd_epi32(_mm512_madd_epi16(p.first, first), p.second, second);
-      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), two_scales(bs[b], single ? 0.f : bs[b + 1]), acc);
+      __m512 scale = two_scales(bs[b], single ? 0.f : bs[b + 1]);
+      acc = _mm512_fmadd_ps(pair_sums(int8_pair(crow, b, single), q + b * QK, single), scale, acc);
     };
-    int64_t b = 0;
-    for (; b + 4 <= nb; b += 4) {
-      _mm_prefetch(stream + b * QK + PREFETCH, _MM_HINT_T0);
-      pair(b, false, even);
-      _mm_prefetch(stream + (b + 2) * QK + PREFETCH, _MM_HINT_T0);
-      pair(b + 2, false, odd);
-    }
-    if (b + 2 <= nb) pair(b, false, even), b += 2;
-    if (b < nb) {
-      if ((b / 2) % 2) pair(b, true, odd);
-      else pair(b, true, even);
-    }
+    one_row_pairs(nb, stream, QK, pair, even, odd);
     out[row] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd)) * d0;
   }
 }
