@@ -506,7 +506,7 @@ inline void one_row_pairs(int64_t nb, const char* stream, int64_t block_bytes, P
 
 // int4_row<1, 32> for the weight rows [n0, n1) in one loop: the same operations in the same order (so the same
 // bits), with the two accumulators named in one function (the per-row call spilled them and realigned its stack:
-// ~10 ns a row of ~28). dw, mw: scratch of groups rounded up to 16 floats.
+// ~10 ns a row of ~28). dw, mw: scratch of `groups` floats.
 __attribute__((noinline)) void int4_rows_one(const uint8_t* c, const uint16_t* sc, const uint16_t* mn, int64_t k,
                                              const QuantizedRows& x, const float* xsg, float* out, int64_t n0,
                                              int64_t n1, int64_t n, float* dw, float* mw) {
@@ -552,7 +552,7 @@ at::Tensor int4_linear(const at::Tensor& input, const at::Tensor& codes, const a
   const uint16_t* mn = reinterpret_cast<const uint16_t*>(minimums.data_ptr<at::Half>());
   float* out = y.data_ptr<float>();
   parallel_chunks(n, grain_for(n), [&](int64_t n0, int64_t n1) {
-    std::vector<float> dw(groups + 16), mw(groups + 16);
+    std::vector<float> dw(groups), mw(groups);
 #if defined(KVSCOPE_AVX512)
     if (m == 1 && g == 32) return int4_rows_one(c, sc, mn, k, rows, xsg.data(), out, n0, n1, n, dw.data(), mw.data());
 #endif
@@ -594,7 +594,7 @@ __attribute__((noinline)) void int8_row(const int8_t* crow, const float* dw, int
 
 #if defined(KVSCOPE_AVX512)
 // int8_row<1> for the weight rows [n0, n1) in one loop, as int4_rows_one: the same operations and order, the
-// accumulators named in one function. dw: scratch of groups rounded up to 16 floats; blocks: nb floats when per > 1.
+// accumulators named in one function. dw: scratch of `groups` floats; blocks: nb floats when per > 1.
 __attribute__((noinline)) void int8_rows_one(const int8_t* c, const uint16_t* sc, int64_t k, int64_t groups, int64_t per,
                                              const QuantizedRows& x, float* out, int64_t n0, int64_t n1, int64_t n,
                                              float* dw, float* blocks) {
