@@ -504,13 +504,14 @@ inline void one_row_pairs(int64_t nb, const char* stream, int64_t block_bytes, P
   }
 }
 
-// int4_row<1, 32> for the weight rows [n0, n1) in one loop: the same operations in the same order (so the same
+// int4_row<1, G> for the weight rows [n0, n1) in one loop: the same operations in the same order (so the same
 // bits), with the two accumulators named in one function (the per-row call spilled them and realigned its stack:
 // ~10 ns a row of ~28). dw, mw: scratch of `groups` floats.
+template <int G>
 __attribute__((noinline)) void int4_rows_one(const uint8_t* c, const uint16_t* sc, const uint16_t* mn, int64_t k,
                                              const QuantizedRows& x, const float* xsg, float* out, int64_t n0,
                                              int64_t n1, int64_t n, float* dw, float* mw) {
-  const int64_t nb = k / QK, groups = nb;
+  const int64_t nb = k / QK, groups = k / G;
   const int16_t* q = x.q.data();
   const float d0 = x.d[0];
   for (int64_t row = n0; row < n1; ++row) {
@@ -520,8 +521,8 @@ __attribute__((noinline)) void int4_rows_one(const uint8_t* c, const uint16_t* s
     const uint8_t* crow = c + row * (k / 2);
     __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
     auto pair = [&](int64_t b, bool single, __m512& acc) {
-      __m512 scale = two_scales(dw[b], single ? 0.f : dw[b + 1]);
-      acc = _mm512_fmadd_ps(pair_sums(int4_pair<32>(crow, b, single), q + b * QK, single), scale, acc);
+      __m512 scale = G == 64 ? _mm512_set1_ps(dw[b / 2]) : two_scales(dw[b], single ? 0.f : dw[b + 1]);
+      acc = _mm512_fmadd_ps(pair_sums(int4_pair<G>(crow, b, single), q + b * QK, single), scale, acc);
     };
     one_row_pairs(nb, reinterpret_cast<const char*>(crow), QK / 2, pair, even, odd);
     out[row] = (_mm512_reduce_add_ps(_mm512_add_ps(even, odd)) + dot_floats(mw, xsg, groups)) * d0;
@@ -554,7 +555,9 @@ at::Tensor int4_linear(const at::Tensor& input, const at::Tensor& codes, const a
   parallel_chunks(n, grain_for(n), [&](int64_t n0, int64_t n1) {
     std::vector<float> dw(groups), mw(groups);
 #if defined(KVSCOPE_AVX512)
-    if (m == 1 && g == 32) return int4_rows_one(c, sc, mn, k, rows, xsg.data(), out, n0, n1, n, dw.data(), mw.data());
+    if (m == 1)
+      return (g == 32 ? int4_rows_one<32> : int4_rows_one<64>)(c, sc, mn, k, rows, xsg.data(), out, n0, n1, n, dw.data(),
+                                                               mw.data());
 #endif
     for (int64_t row = n0; row < n1; ++row) {
       prefetch_params(sc, mn, row + PARAMS_AHEAD, groups, n);
