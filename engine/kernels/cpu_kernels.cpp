@@ -411,6 +411,26 @@ inline PairCodes int8_pair(const int8_t* crow, int64_t b, bool single) {
 }
 
 // sums[i] = sum over blocks b of scale_w(b) * (codes_b . q_i,b) for the M activation rows of x;
+// the pairs of a row of nb blocks in one order: pair(b, single, acc) for pairs 0, 4, 8, ... into even and 2, 6, ...
+// into odd (alternating, so an FMA does not wait for the one before), the stream prefetched PREFETCH bytes ahead
+// every 64 bytes; Acc: one register (one activation row) or an array of them (M rows), named, not indexed, so
+// they stay in registers
+template <typename Pair, typename Acc>
+inline void each_pair(int64_t nb, const char* stream, int64_t block_bytes, Pair pair, Acc& even, Acc& odd) {
+  int64_t b = 0;
+  for (; b + 4 <= nb; b += 4) {
+    _mm_prefetch(stream + b * block_bytes + PREFETCH, _MM_HINT_T0);
+    pair(b, false, even);
+    if (block_bytes * 2 >= 64) _mm_prefetch(stream + (b + 2) * block_bytes + PREFETCH, _MM_HINT_T0);
+    pair(b + 2, false, odd);
+  }
+  if (b + 2 <= nb) pair(b, false, even), b += 2;
+  if (b < nb) {
+    if ((b / 2) % 2) pair(b, true, odd);
+    else pair(b, true, even);
+  }
+}
+
 // codes(b, single) -> PairCodes, scales(b, single) -> the pair's weight scales as two_scales gives them
 template <int M, typename Codes, typename Scales>
 inline void pairs_dot(int64_t k, const QuantizedRows& x, int64_t m, const uint8_t* stream, int64_t block_bytes,
@@ -423,18 +443,7 @@ inline void pairs_dot(int64_t k, const QuantizedRows& x, int64_t m, const uint8_
     __m512 dw = scales(b, single);
     for (int64_t i = 0; i < rows; ++i) acc[i] = _mm512_fmadd_ps(pair_sums(c, x.q.data() + i * k + b * QK, single), dw, acc[i]);
   };
-  auto fetch = [&](int64_t b) {
-    _mm_prefetch(reinterpret_cast<const char*>(stream) + b * block_bytes + PREFETCH, _MM_HINT_T0);
-  };
-  int64_t b = 0;
-  for (; b + 4 <= nb; b += 4) {  // the accumulators named, not indexed, so they stay in registers
-    fetch(b);
-    pair(b, false, even);
-    if (block_bytes * 2 >= 64) fetch(b + 2);
-    pair(b + 2, false, odd);
-  }
-  if (b + 2 <= nb) pair(b, false, even), b += 2;
-  if (b < nb) pair(b, true, (b / 2) % 2 ? odd : even);
+  each_pair(nb, reinterpret_cast<const char*>(stream), block_bytes, pair, even, odd);
   for (int64_t i = 0; i < rows; ++i) sums[i] = _mm512_reduce_add_ps(_mm512_add_ps(even[i], odd[i]));
 }
 #endif
@@ -486,24 +495,6 @@ inline void int4_row(const uint8_t* crow, const float* dw, const float* mw, int6
 }
 
 #if defined(KVSCOPE_AVX512)
-// pairs_dot's order for one activation row, its accumulators named: pair(b, single, acc) for pairs 0, 4, 8, ... into
-// even and 2, 6, ... into odd, the stream prefetched PREFETCH bytes ahead every 64 bytes
-template <typename Pair>
-inline void one_row_pairs(int64_t nb, const char* stream, int64_t block_bytes, Pair pair, __m512& even, __m512& odd) {
-  int64_t b = 0;
-  for (; b + 4 <= nb; b += 4) {
-    _mm_prefetch(stream + b * block_bytes + PREFETCH, _MM_HINT_T0);
-    pair(b, false, even);
-    if (block_bytes * 2 >= 64) _mm_prefetch(stream + (b + 2) * block_bytes + PREFETCH, _MM_HINT_T0);
-    pair(b + 2, false, odd);
-  }
-  if (b + 2 <= nb) pair(b, false, even), b += 2;
-  if (b < nb) {
-    if ((b / 2) % 2) pair(b, true, odd);
-    else pair(b, true, even);
-  }
-}
-
 // int4_row<1, G> for the weight rows [n0, n1) in one loop: the same operations in the same order (so the same
 // bits), with the two accumulators named in one function (the per-row call spilled them and realigned its stack:
 // ~10 ns a row of ~28). dw, mw: scratch of `groups` floats.
@@ -524,7 +515,7 @@ __attribute__((noinline)) void int4_rows_one(const uint8_t* c, const uint16_t* s
       __m512 scale = G == 64 ? _mm512_set1_ps(dw[b / 2]) : two_scales(dw[b], single ? 0.f : dw[b + 1]);
       acc = _mm512_fmadd_ps(pair_sums(int4_pair<G>(crow, b, single), q + b * QK, single), scale, acc);
     };
-    one_row_pairs(nb, reinterpret_cast<const char*>(crow), QK / 2, pair, even, odd);
+    each_pair(nb, reinterpret_cast<const char*>(crow), QK / 2, pair, even, odd);
     out[row] = (_mm512_reduce_add_ps(_mm512_add_ps(even, odd)) + dot_floats(mw, xsg, groups)) * d0;
   }
 }
@@ -616,7 +607,7 @@ __attribute__((noinline)) void int8_rows_one(const int8_t* c, const uint16_t* sc
       __m512 scale = two_scales(bs[b], single ? 0.f : bs[b + 1]);
       acc = _mm512_fmadd_ps(pair_sums(int8_pair(crow, b, single), q + b * QK, single), scale, acc);
     };
-    one_row_pairs(nb, stream, QK, pair, even, odd);
+    each_pair(nb, stream, QK, pair, even, odd);
     out[row] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd)) * d0;
   }
 }
