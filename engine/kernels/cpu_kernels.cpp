@@ -315,7 +315,7 @@ inline float dot_floats(const float* a, const float* b, int64_t n) {
   for (; j + 8 <= n; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc);
   tail = hsum(acc);
 #endif
-  for (; j < n; ++j) tail += a[j] * b[j];
+  for (; j < n; ++j) tail = std::fma(a[j], b[j], tail);  // explicit: contraction may not vary with the inlining
   return tail;
 }
 
@@ -495,28 +495,31 @@ inline void int4_row(const uint8_t* crow, const float* dw, const float* mw, int6
 }
 
 #if defined(KVSCOPE_AVX512)
-// int4_row<1, G> for the weight rows [n0, n1) in one loop: the same operations in the same order (so the same
-// bits), with the two accumulators named in one function (the per-row call spilled them and realigned its stack:
-// ~10 ns a row of ~28). dw, mw: scratch of `groups` floats.
-template <int G>
-__attribute__((noinline)) void int4_rows_one(const uint8_t* c, const uint16_t* sc, const uint16_t* mn, int64_t k,
-                                             const QuantizedRows& x, const float* xsg, float* out, int64_t n0,
-                                             int64_t n1, int64_t n, float* dw, float* mw) {
+// int4_row<M, G> for the weight rows [n0, n1) in one loop, M (1 to 8) activation rows: the same operations in the
+// same order as pairs_dot (so the same bits), the 2M accumulators in one function (a call per weight row realigned
+// its stack, zeroed, spilled and reloaded them: ~10 of ~28 ns a row at M = 1, ~10% of a batch of 8's step).
+// dw, mw: scratch of `groups` floats.
+template <int M, int G>
+__attribute__((noinline)) void int4_rows(const uint8_t* c, const uint16_t* sc, const uint16_t* mn, int64_t k,
+                                              const QuantizedRows& x, const float* xsg, float* out, int64_t n0,
+                                              int64_t n1, int64_t n, float* dw, float* mw) {
   const int64_t nb = k / QK, groups = k / G;
   const int16_t* q = x.q.data();
-  const float d0 = x.d[0];
   for (int64_t row = n0; row < n1; ++row) {
     prefetch_params(sc, mn, row + PARAMS_AHEAD, groups, n);
     halves_to_floats(sc + row * groups, dw, groups);
     halves_to_floats(mn + row * groups, mw, groups);
     const uint8_t* crow = c + row * (k / 2);
-    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
-    auto pair = [&](int64_t b, bool single, __m512& acc) {
+    std::array<__m512, M> even, odd;
+    even.fill(_mm512_setzero_ps()), odd.fill(_mm512_setzero_ps());
+    auto pair = [&](int64_t b, bool single, std::array<__m512, M>& acc) {
+      PairCodes codes = int4_pair<G>(crow, b, single);
       __m512 scale = G == 64 ? _mm512_set1_ps(dw[b / 2]) : two_scales(dw[b], single ? 0.f : dw[b + 1]);
-      acc = _mm512_fmadd_ps(pair_sums(int4_pair<G>(crow, b, single), q + b * QK, single), scale, acc);
+      for (int i = 0; i < M; ++i) acc[i] = _mm512_fmadd_ps(pair_sums(codes, q + i * k + b * QK, single), scale, acc[i]);
     };
     each_pair(nb, reinterpret_cast<const char*>(crow), QK / 2, pair, even, odd);
-    out[row] = (_mm512_reduce_add_ps(_mm512_add_ps(even, odd)) + dot_floats(mw, xsg, groups)) * d0;
+    for (int i = 0; i < M; ++i)
+      out[i * n + row] = (_mm512_reduce_add_ps(_mm512_add_ps(even[i], odd[i])) + dot_floats(mw, xsg + i * groups, groups)) * x.d[i];
   }
 }
 #endif
@@ -546,9 +549,14 @@ at::Tensor int4_linear(const at::Tensor& input, const at::Tensor& codes, const a
   parallel_chunks(n, grain_for(n), [&](int64_t n0, int64_t n1) {
     std::vector<float> dw(groups), mw(groups);
 #if defined(KVSCOPE_AVX512)
-    if (m == 1)
-      return (g == 32 ? int4_rows_one<32> : int4_rows_one<64>)(c, sc, mn, k, rows, xsg.data(), out, n0, n1, n, dw.data(),
-                                                               mw.data());
+    bool looped = false;
+    with_rows(m, [&](auto rows_m) {
+      constexpr int M = decltype(rows_m)::value;
+      if constexpr (M > 0)
+        (g == 32 ? int4_rows<M, 32> : int4_rows<M, 64>)(c, sc, mn, k, rows, xsg.data(), out, n0, n1, n, dw.data(),
+                                                        mw.data()), looped = true;
+    });
+    if (looped) return;
 #endif
     for (int64_t row = n0; row < n1; ++row) {
       prefetch_params(sc, mn, row + PARAMS_AHEAD, groups, n);
@@ -587,28 +595,29 @@ __attribute__((noinline)) void int8_row(const int8_t* crow, const float* dw, int
 }
 
 #if defined(KVSCOPE_AVX512)
-// int8_row<1> for the weight rows [n0, n1) in one loop, as int4_rows_one: the same operations and order, the
-// accumulators named in one function. dw: scratch of `groups` floats; blocks: nb floats when per > 1.
-__attribute__((noinline)) void int8_rows_one(const int8_t* c, const uint16_t* sc, int64_t k, int64_t groups, int64_t per,
-                                             const QuantizedRows& x, float* out, int64_t n0, int64_t n1, int64_t n,
-                                             float* dw, float* blocks) {
+// int8_row<M> for the weight rows [n0, n1) in one loop, as int4_rows: the same operations and order, the
+// accumulators in one function. dw: scratch of `groups` floats; blocks: nb floats when per > 1.
+template <int M>
+__attribute__((noinline)) void int8_rows(const int8_t* c, const uint16_t* sc, int64_t k, int64_t groups, int64_t per,
+                                         const QuantizedRows& x, float* out, int64_t n0, int64_t n1, int64_t n,
+                                         float* dw, float* blocks) {
   const int64_t nb = k / QK;
   const int16_t* q = x.q.data();
-  const float d0 = x.d[0];
   for (int64_t row = n0; row < n1; ++row) {
     prefetch_params(sc, nullptr, row + PARAMS_AHEAD, groups, n);
     halves_to_floats(sc + row * groups, dw, groups);
     for (int64_t b = 0; per > 1 && b < nb; ++b) blocks[b] = dw[b / per];
     const float* bs = per > 1 ? blocks : dw;
     const int8_t* crow = c + row * k;
-    auto stream = reinterpret_cast<const char*>(crow);
-    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
-    auto pair = [&](int64_t b, bool single, __m512& acc) {
+    std::array<__m512, M> even, odd;
+    even.fill(_mm512_setzero_ps()), odd.fill(_mm512_setzero_ps());
+    auto pair = [&](int64_t b, bool single, std::array<__m512, M>& acc) {
+      PairCodes codes = int8_pair(crow, b, single);
       __m512 scale = two_scales(bs[b], single ? 0.f : bs[b + 1]);
-      acc = _mm512_fmadd_ps(pair_sums(int8_pair(crow, b, single), q + b * QK, single), scale, acc);
+      for (int i = 0; i < M; ++i) acc[i] = _mm512_fmadd_ps(pair_sums(codes, q + i * k + b * QK, single), scale, acc[i]);
     };
-    each_pair(nb, stream, QK, pair, even, odd);
-    out[row] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd)) * d0;
+    each_pair(nb, reinterpret_cast<const char*>(crow), QK, pair, even, odd);
+    for (int i = 0; i < M; ++i) out[i * n + row] = _mm512_reduce_add_ps(_mm512_add_ps(even[i], odd[i])) * x.d[i];
   }
 }
 #endif
@@ -632,7 +641,12 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes, const a
     int64_t nb = k / QK, per = g / QK;
     std::vector<float> dw(groups), blocks(per > 1 ? nb : 0);  // a group's scale, then each block's (no division
 #if defined(KVSCOPE_AVX512)                                    // in the kernel's loop)
-    if (m == 1) return int8_rows_one(c, sc, k, groups, per, rows, out, n0, n1, n, dw.data(), blocks.data());
+    bool looped = false;
+    with_rows(m, [&](auto rows_m) {
+      constexpr int M = decltype(rows_m)::value;
+      if constexpr (M > 0) int8_rows<M>(c, sc, k, groups, per, rows, out, n0, n1, n, dw.data(), blocks.data()), looped = true;
+    });
+    if (looped) return;
 #endif
     for (int64_t row = n0; row < n1; ++row) {
       prefetch_params(sc, nullptr, row + PARAMS_AHEAD, groups, n);
