@@ -275,6 +275,20 @@ inline void with_rows(int64_t m, F f) {
   }
 }
 
+// f(r0, std::integral_constant<int, M>) for the activation rows [r0, r0 + M) of m, in groups of 8 and what is left
+// as 4, 3, 2 or 1: every group a compiled row count, each row computed alone within its group (so the same bits
+// for any m); a chunk's weight rows are read again from L2 by each later group
+template <typename F>
+inline void in_row_groups(int64_t m, F f) {
+  for (int64_t r0 = 0; r0 < m;) {
+    int64_t left = m - r0, take = left >= 8 ? 8 : std::min<int64_t>(left, 4);
+    with_rows(take, [&](auto rows_m) {
+      if constexpr (decltype(rows_m)::value > 0) f(r0, rows_m);
+    });
+    r0 += take;
+  }
+}
+
 // the start of the cache line that holds p
 inline const char* line_of(const void* p) {
   return reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63});
@@ -501,10 +515,12 @@ inline void int4_row(const uint8_t* crow, const float* dw, const float* mw, int6
 // dw, mw: scratch of `groups` floats.
 template <int M, int G>
 __attribute__((noinline)) void int4_rows(const uint8_t* c, const uint16_t* sc, const uint16_t* mn, int64_t k,
-                                              const QuantizedRows& x, const float* xsg, float* out, int64_t n0,
-                                              int64_t n1, int64_t n, float* dw, float* mw) {
+                                         const QuantizedRows& x, int64_t r0, const float* xsg, float* out, int64_t n0,
+                                         int64_t n1, int64_t n, float* dw, float* mw) {
   const int64_t nb = k / QK, groups = k / G;
-  const int16_t* q = x.q.data();
+  const int16_t* q = x.q.data() + r0 * k;
+  const float* d = x.d.data() + r0;
+  xsg += r0 * groups, out += r0 * n;
   for (int64_t row = n0; row < n1; ++row) {
     prefetch_params(sc, mn, row + PARAMS_AHEAD, groups, n);
     halves_to_floats(sc + row * groups, dw, groups);
@@ -519,7 +535,7 @@ __attribute__((noinline)) void int4_rows(const uint8_t* c, const uint16_t* sc, c
     };
     each_pair(nb, reinterpret_cast<const char*>(crow), QK / 2, pair, even, odd);
     for (int i = 0; i < M; ++i)
-      out[i * n + row] = (_mm512_reduce_add_ps(_mm512_add_ps(even[i], odd[i])) + dot_floats(mw, xsg + i * groups, groups)) * x.d[i];
+      out[i * n + row] = (_mm512_reduce_add_ps(_mm512_add_ps(even[i], odd[i])) + dot_floats(mw, xsg + i * groups, groups)) * d[i];
   }
 }
 #endif
@@ -549,14 +565,11 @@ at::Tensor int4_linear(const at::Tensor& input, const at::Tensor& codes, const a
   parallel_chunks(n, grain_for(n), [&](int64_t n0, int64_t n1) {
     std::vector<float> dw(groups), mw(groups);
 #if defined(KVSCOPE_AVX512)
-    bool looped = false;
-    with_rows(m, [&](auto rows_m) {
+    return in_row_groups(m, [&](int64_t r0, auto rows_m) {
       constexpr int M = decltype(rows_m)::value;
-      if constexpr (M > 0)
-        (g == 32 ? int4_rows<M, 32> : int4_rows<M, 64>)(c, sc, mn, k, rows, xsg.data(), out, n0, n1, n, dw.data(),
-                                                        mw.data()), looped = true;
+      (g == 32 ? int4_rows<M, 32> : int4_rows<M, 64>)(c, sc, mn, k, rows, r0, xsg.data(), out, n0, n1, n, dw.data(),
+                                                      mw.data());
     });
-    if (looped) return;
 #endif
     for (int64_t row = n0; row < n1; ++row) {
       prefetch_params(sc, mn, row + PARAMS_AHEAD, groups, n);
@@ -599,10 +612,12 @@ __attribute__((noinline)) void int8_row(const int8_t* crow, const float* dw, int
 // accumulators in one function. dw: scratch of `groups` floats; blocks: nb floats when per > 1.
 template <int M>
 __attribute__((noinline)) void int8_rows(const int8_t* c, const uint16_t* sc, int64_t k, int64_t groups, int64_t per,
-                                         const QuantizedRows& x, float* out, int64_t n0, int64_t n1, int64_t n,
-                                         float* dw, float* blocks) {
+                                         const QuantizedRows& x, int64_t r0, float* out, int64_t n0, int64_t n1,
+                                         int64_t n, float* dw, float* blocks) {
   const int64_t nb = k / QK;
-  const int16_t* q = x.q.data();
+  const int16_t* q = x.q.data() + r0 * k;
+  const float* d = x.d.data() + r0;
+  out += r0 * n;
   for (int64_t row = n0; row < n1; ++row) {
     prefetch_params(sc, nullptr, row + PARAMS_AHEAD, groups, n);
     halves_to_floats(sc + row * groups, dw, groups);
@@ -617,7 +632,7 @@ __attribute__((noinline)) void int8_rows(const int8_t* c, const uint16_t* sc, in
       for (int i = 0; i < M; ++i) acc[i] = _mm512_fmadd_ps(pair_sums(codes, q + i * k + b * QK, single), scale, acc[i]);
     };
     each_pair(nb, reinterpret_cast<const char*>(crow), QK, pair, even, odd);
-    for (int i = 0; i < M; ++i) out[i * n + row] = _mm512_reduce_add_ps(_mm512_add_ps(even[i], odd[i])) * x.d[i];
+    for (int i = 0; i < M; ++i) out[i * n + row] = _mm512_reduce_add_ps(_mm512_add_ps(even[i], odd[i])) * d[i];
   }
 }
 #endif
@@ -641,12 +656,9 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes, const a
     int64_t nb = k / QK, per = g / QK;
     std::vector<float> dw(groups), blocks(per > 1 ? nb : 0);  // a group's scale, then each block's (no division
 #if defined(KVSCOPE_AVX512)                                    // in the kernel's loop)
-    bool looped = false;
-    with_rows(m, [&](auto rows_m) {
-      constexpr int M = decltype(rows_m)::value;
-      if constexpr (M > 0) int8_rows<M>(c, sc, k, groups, per, rows, out, n0, n1, n, dw.data(), blocks.data()), looped = true;
+    return in_row_groups(m, [&](int64_t r0, auto rows_m) {
+      int8_rows<decltype(rows_m)::value>(c, sc, k, groups, per, rows, r0, out, n0, n1, n, dw.data(), blocks.data());
     });
-    if (looped) return;
 #endif
     for (int64_t row = n0; row < n1; ++row) {
       prefetch_params(sc, nullptr, row + PARAMS_AHEAD, groups, n);
