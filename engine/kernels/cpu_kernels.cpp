@@ -445,20 +445,22 @@ inline void each_pair(int64_t nb, const char* stream, int64_t block_bytes, Pair 
   }
 }
 
-// codes(b, single) -> PairCodes, scales(b, single) -> the pair's weight scales as two_scales gives them
-template <int M, typename Codes, typename Scales>
-inline void pairs_dot(int64_t k, const QuantizedRows& x, int64_t m, const uint8_t* stream, int64_t block_bytes,
-                      Codes codes, Scales scales, float* sums) {
-  int64_t nb = k / QK, rows = M > 0 ? M : m;
-  __m512 even[M > 0 ? M : MAX_ROWS], odd[M > 0 ? M : MAX_ROWS];  // pairs 0, 2, 4, ... and 1, 3, 5, ...
-  for (int64_t i = 0; i < rows; ++i) even[i] = odd[i] = _mm512_setzero_ps();
-  auto pair = [&](int64_t b, bool single, __m512* acc) {
+
+// one weight row (crow, nb blocks of block_bytes) against M activation rows (q: their pair-ordered codes, k apart):
+// each row's sum over its pairs through each_pair, codes(b, single) -> PairCodes, scale(b, single) -> the pair's
+// weight scales; inlined into the row loops, so that the 2M accumulators stay in registers
+template <int M, typename Codes, typename Scale>
+__attribute__((always_inline)) inline void row_sums(int64_t nb, const void* crow, int64_t block_bytes, const int16_t* q,
+                                                    int64_t k, Codes codes, Scale scale, float* sums) {
+  std::array<__m512, M> even, odd;
+  even.fill(_mm512_setzero_ps()), odd.fill(_mm512_setzero_ps());
+  auto pair = [&](int64_t b, bool single, std::array<__m512, M>& acc) {
     PairCodes c = codes(b, single);
-    __m512 dw = scales(b, single);
-    for (int64_t i = 0; i < rows; ++i) acc[i] = _mm512_fmadd_ps(pair_sums(c, x.q.data() + i * k + b * QK, single), dw, acc[i]);
+    __m512 s = scale(b, single);
+    for (int i = 0; i < M; ++i) acc[i] = _mm512_fmadd_ps(pair_sums(c, q + i * k + b * QK, single), s, acc[i]);
   };
-  each_pair(nb, reinterpret_cast<const char*>(stream), block_bytes, pair, even, odd);
-  for (int64_t i = 0; i < rows; ++i) sums[i] = _mm512_reduce_add_ps(_mm512_add_ps(even[i], odd[i]));
+  each_pair(nb, static_cast<const char*>(crow), block_bytes, pair, even, odd);
+  for (int i = 0; i < M; ++i) sums[i] = _mm512_reduce_add_ps(_mm512_add_ps(even[i], odd[i]));
 }
 #endif
 
@@ -489,14 +491,7 @@ inline void int4_row(const uint8_t* crow, const float* dw, const float* mw, int6
                      const float* xsg, int64_t m, float* out, int64_t n) {
   int64_t groups = k / G, rows = M > 0 ? M : m;
   float sums[M > 0 ? M : MAX_ROWS];
-#if defined(KVSCOPE_AVX512)
-  pairs_dot<M>(
-      k, x, m, crow, QK / 2, [&](int64_t b, bool single) { return int4_pair<G>(crow, b, single); },
-      [&](int64_t b, bool single) {
-        return G == 64 ? _mm512_set1_ps(dw[b / 2]) : two_scales(dw[b], single ? 0.f : dw[b + 1]);
-      },
-      sums);
-#elif defined(KVSCOPE_AVX2)
+#if defined(KVSCOPE_AVX2)  // (AVX-512: int4_rows)
   blocks_dot<M>(k, x, m, crow, QK / 2, [&](int64_t b) { return int4_block(crow, G, b); },
                 [&](int64_t b) { return dw[b * QK / G]; }, sums);
 #else
@@ -510,7 +505,7 @@ inline void int4_row(const uint8_t* crow, const float* dw, const float* mw, int6
 
 #if defined(KVSCOPE_AVX512)
 // int4_row<M, G> for the weight rows [n0, n1) in one loop, M (1 to 8) activation rows: the same operations in the
-// same order as pairs_dot (so the same bits), the 2M accumulators in one function (a call per weight row realigned
+// same order for every M (so the same bits), the 2M accumulators in one function (a call per weight row realigned
 // its stack, zeroed, spilled and reloaded them: ~10 of ~28 ns a row at M = 1, ~10% of a batch of 8's step).
 // dw, mw: scratch of `groups` floats.
 template <int M, int G>
@@ -526,16 +521,14 @@ __attribute__((noinline)) void int4_rows(const uint8_t* c, const uint16_t* sc, c
     halves_to_floats(sc + row * groups, dw, groups);
     halves_to_floats(mn + row * groups, mw, groups);
     const uint8_t* crow = c + row * (k / 2);
-    std::array<__m512, M> even, odd;
-    even.fill(_mm512_setzero_ps()), odd.fill(_mm512_setzero_ps());
-    auto pair = [&](int64_t b, bool single, std::array<__m512, M>& acc) {
-      PairCodes codes = int4_pair<G>(crow, b, single);
-      __m512 scale = G == 64 ? _mm512_set1_ps(dw[b / 2]) : two_scales(dw[b], single ? 0.f : dw[b + 1]);
-      for (int i = 0; i < M; ++i) acc[i] = _mm512_fmadd_ps(pair_sums(codes, q + i * k + b * QK, single), scale, acc[i]);
-    };
-    each_pair(nb, reinterpret_cast<const char*>(crow), QK / 2, pair, even, odd);
-    for (int i = 0; i < M; ++i)
-      out[i * n + row] = (_mm512_reduce_add_ps(_mm512_add_ps(even[i], odd[i])) + dot_floats(mw, xsg + i * groups, groups)) * d[i];
+    float sums[M];
+    row_sums<M>(
+        nb, crow, QK / 2, q, k, [&](int64_t b, bool single) { return int4_pair<G>(crow, b, single); },
+        [&](int64_t b, bool single) {
+          return G == 64 ? _mm512_set1_ps(dw[b / 2]) : two_scales(dw[b], single ? 0.f : dw[b + 1]);
+        },
+        sums);
+    for (int i = 0; i < M; ++i) out[i * n + row] = (sums[i] + dot_floats(mw, xsg + i * groups, groups)) * d[i];
   }
 }
 #endif
@@ -592,11 +585,7 @@ __attribute__((noinline)) void int8_row(const int8_t* crow, const float* dw, int
   int64_t rows = M > 0 ? M : m;
   float sums[M > 0 ? M : MAX_ROWS];
   const uint8_t* stream = reinterpret_cast<const uint8_t*>(crow);
-#if defined(KVSCOPE_AVX512)
-  pairs_dot<M>(
-      k, x, m, stream, QK, [&](int64_t b, bool single) { return int8_pair(crow, b, single); },
-      [&](int64_t b, bool single) { return two_scales(dw[b], single ? 0.f : dw[b + 1]); }, sums);
-#elif defined(KVSCOPE_AVX2)
+#if defined(KVSCOPE_AVX2)  // (AVX-512: int8_rows)
   blocks_dot<M>(k, x, m, stream, QK, [&](int64_t b) { return int8_block(crow, b); }, [&](int64_t b) { return dw[b]; },
                 sums);
 #else
@@ -624,15 +613,11 @@ __attribute__((noinline)) void int8_rows(const int8_t* c, const uint16_t* sc, in
     for (int64_t b = 0; per > 1 && b < nb; ++b) blocks[b] = dw[b / per];
     const float* bs = per > 1 ? blocks : dw;
     const int8_t* crow = c + row * k;
-    std::array<__m512, M> even, odd;
-    even.fill(_mm512_setzero_ps()), odd.fill(_mm512_setzero_ps());
-    auto pair = [&](int64_t b, bool single, std::array<__m512, M>& acc) {
-      PairCodes codes = int8_pair(crow, b, single);
-      __m512 scale = two_scales(bs[b], single ? 0.f : bs[b + 1]);
-      for (int i = 0; i < M; ++i) acc[i] = _mm512_fmadd_ps(pair_sums(codes, q + i * k + b * QK, single), scale, acc[i]);
-    };
-    each_pair(nb, reinterpret_cast<const char*>(crow), QK, pair, even, odd);
-    for (int i = 0; i < M; ++i) out[i * n + row] = _mm512_reduce_add_ps(_mm512_add_ps(even[i], odd[i])) * d[i];
+    float sums[M];
+    row_sums<M>(
+        nb, crow, QK, q, k, [&](int64_t b, bool single) { return int8_pair(crow, b, single); },
+        [&](int64_t b, bool single) { return two_scales(bs[b], single ? 0.f : bs[b + 1]); }, sums);
+    for (int i = 0; i < M; ++i) out[i * n + row] = sums[i] * d[i];
   }
 }
 #endif
