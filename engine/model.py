@@ -17,7 +17,7 @@ from torch import nn
 from engine import kernels
 from engine.config import ConfigError, ModelConfig
 from engine.kv.attention import LayerAttention
-from engine.kv.base import StepView
+from engine.kv.base import FusedKV, StepView
 from engine.weights.formats import QuantizedWeight
 from engine.weights.linear import DECODE_ROWS, FloatLinear, WeightLinear, build_linear
 
@@ -223,6 +223,45 @@ class OneCall:
                    post.eps, a.num_heads, a.num_kv_heads)
 
 
+
+@dataclass
+class OneStep:
+    """Every layer's OneCall, flattened for the kernels' decoder_layers: a decode step's layers in one call (one
+    dispatch and one argument conversion a step instead of one a layer; the same calls inside, the same bits)."""
+
+    plans: tuple[OneCall, ...]
+    weights: list[torch.Tensor]
+    parts: list[int]
+    norms: list[torch.Tensor]
+    eps: list[float]
+    heads: list[int]
+
+    @classmethod
+    def of(cls, plans: tuple[OneCall, ...]) -> OneStep:
+        return cls(plans, [w for p in plans for w in p.weights], [n for p in plans for n in p.parts],
+                   [t for p in plans for t in p.norms], [p.eps for p in plans],
+                   [h for p in plans for h in (p.num_heads, p.num_kv_heads)])
+
+    def run(self, x: torch.Tensor, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            kvs: list[FusedKV]) -> torch.Tensor:
+        """x: the residual stream [B, T, H], updated in place; normed: x through the first layer's input norm.
+        Returns the last layer's output through the final norm."""
+        kv, kv_parts, where, ints, counts = [], [], [], [], []
+        for stores, groups, at, numbers in kvs:
+            kv += stores
+            kv_parts += groups
+            where += at
+            ints += numbers
+            counts += (len(stores), len(groups), len(at), len(numbers))
+        return self.plans[0].ops.decoder_layers(x, normed, cos, sin, self.weights, self.parts, self.norms, self.eps,
+                                                self.heads, kv, kv_parts, where, ints, counts)
+
+
+def decode_rows(normed: torch.Tensor) -> bool:
+    """Whether a step's rows can run through the compiled one-call layer (a decode step's few float32 CPU rows)."""
+    return (_one_call and normed.dtype == torch.float32 and normed.device.type == "cpu"
+            and normed.numel() <= DECODE_ROWS * normed.shape[-1] and kernels.ops() is not None)
+
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP; with sandwich norms (Gemma 2/3) each branch's output is normed too, and the
     norm before the MLP is pre_feedforward_layernorm (Hugging Face's names)."""
@@ -244,8 +283,7 @@ class DecoderLayer(nn.Module):
         """x: the residual stream [B, T, H], updated in place; normed: x through this layer's input norm.
         Returns x through next_norm (the next layer's input norm, or the final norm)."""
         plan = self.one_call_plan(next_norm)
-        if plan and _one_call and normed.dtype == torch.float32 and normed.device.type == "cpu" \
-                and normed.numel() <= DECODE_ROWS * normed.shape[-1] and kernels.ops() is not None:  # decode rows
+        if plan and decode_rows(normed):
             kv = view.fused_kv(layer)
             if kv is not None:  # the whole layer in one call
                 return plan.ops.decoder_layer(x, normed, cos, sin, plan.weights, plan.parts, plan.norms, plan.eps,
@@ -292,10 +330,28 @@ class LlamaModel(nn.Module):
         local = any(layer.local_rotary for layer in self.layers)
         self.local_rotary = Rotary(self.config, positions, local=True) if local else None
 
+    def one_step(self, layers: list[DecoderLayer], norms: list[RMSNorm], normed: torch.Tensor) -> OneStep | None:
+        """Every layer in one call, where every layer has a one-call plan (no sliding or locally rotated layer)
+        and the rows are a decode step's; None otherwise (then each layer is one call, or runs op by op)."""
+        if not decode_rows(normed) or any(layer.local_rotary for layer in layers):
+            return None
+        plans = tuple(layer.one_call_plan(norm) for layer, norm in zip(layers, norms))
+        if any(plan is None for plan in plans):
+            return None
+        step = self.__dict__.get("_one_step")
+        if step is None or any(a is not b for a, b in zip(step.plans, plans, strict=True)):
+            step = self.__dict__["_one_step"] = OneStep.of(plans)
+        return step
+
     def forget_one_call_plans(self) -> None:
         """Projections were replaced (a weight format changed): each layer looks its tensors up again."""
+        self.__dict__.pop("_one_step", None)
         for layer in self.layers:
             layer.__dict__.pop("_one_call", None)
+
+    def _apply(self, fn, recurse=True):  # .to() and friends replace the tensors: the flattened ones go too
+        self.__dict__.pop("_one_step", None)
+        return super()._apply(fn, recurse)
 
     def projections(self) -> dict[str, WeightLinear]:
         """Every weight matrix by name (a tied embedding is the head, listed once)."""
@@ -353,6 +409,10 @@ class LlamaModel(nn.Module):
         normed = self.layers[0].input_layernorm(x)
         layers = list(self.layers)  # (a slice of the ModuleList would build a new ModuleList every step)
         norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
+        if (step := self.one_step(layers, norms, normed)) is not None:
+            kvs = [view.fused_kv(i) for i in range(len(layers))]
+            if all(kv is not None for kv in kvs):
+                return step.run(x, normed, *tables[0], kvs)
         for i, (layer, next_norm) in enumerate(zip(layers, norms)):
             cos, sin = tables[1 if layer.local_rotary else 0]
             normed = layer.forward(x, normed, cos, sin, view, i, next_norm)

@@ -3072,6 +3072,46 @@ at::Tensor decoder_layer(at::Tensor x, const at::Tensor& normed, const at::Tenso
   return add_rms_norm(x, project(gated, weights, first[3], parts[3]), norms[1], eps);
 }
 
+
+// the next n items of v from `at` (advanced), checked against v's end
+template <typename T>
+std::vector<T> take_next(const std::vector<T>& v, size_t& at, int64_t n, const char* what) {
+  TORCH_CHECK(n >= 0 && at + n <= v.size(), "decoder_layers: ", what, " runs short");
+  std::vector<T> part(v.begin() + at, v.begin() + at + n);
+  at += n;
+  return part;
+}
+
+// Every layer of a decode step in one call: decoder_layer over the layers in order, each with its slice of the
+// flattened lists (the same calls as one per layer, so the same bits; one dispatch and one argument conversion a
+// step instead of one a layer). Per layer: 4 parts, 2 norms, an eps, 2 heads (query, KV) and 4 counts (its kv
+// tensors, kv parts, where tensors and ints). Returns the last layer's output through the final norm.
+at::Tensor decoder_layers(at::Tensor x, at::Tensor normed, const at::Tensor& cos, const at::Tensor& sin,
+                          const std::vector<at::Tensor>& weights, const std::vector<int64_t>& parts,
+                          const std::vector<at::Tensor>& norms, const std::vector<double>& eps,
+                          const std::vector<int64_t>& heads, const std::vector<at::Tensor>& kv,
+                          const std::vector<int64_t>& kv_parts, const std::vector<at::Tensor>& where,
+                          const std::vector<int64_t>& ints, const std::vector<int64_t>& counts) {
+  const size_t layers = eps.size();
+  TORCH_CHECK(parts.size() == 4 * layers && norms.size() == 2 * layers && heads.size() == 2 * layers &&
+                  counts.size() == 4 * layers,
+              "decoder_layers: per layer 4 parts, 2 norms, an eps, 2 heads and 4 counts");
+  size_t w = 0, n = 0, k = 0, kp = 0, wh = 0, in = 0, p = 0;
+  for (size_t i = 0; i < layers; ++i) {
+    auto layer_parts = take_next(parts, p, 4, "parts");
+    int64_t nw = layer_parts[0] + layer_parts[1] + layer_parts[2] + layer_parts[3];
+    const int64_t* c = counts.data() + 4 * i;
+    normed = decoder_layer(x, normed, cos, sin, take_next(weights, w, nw, "weights"), layer_parts,
+                           take_next(norms, n, 2, "norms"), eps[i], heads[2 * i], heads[2 * i + 1],
+                           take_next(kv, k, c[0], "kv"), take_next(kv_parts, kp, c[1], "kv_parts"),
+                           take_next(where, wh, c[2], "where"), take_next(ints, in, c[3], "ints"));
+  }
+  TORCH_CHECK(w == weights.size() && k == kv.size() && kp == kv_parts.size() && wh == where.size() &&
+                  in == ints.size(),
+              "decoder_layers: more tensors than the layers' counts take");
+  return normed;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvscope, m) {
@@ -3096,4 +3136,7 @@ TORCH_LIBRARY(kvscope, m) {
   m.def("decoder_layer(Tensor(a!) x, Tensor normed, Tensor cos, Tensor sin, Tensor[] weights, int[] parts, "
         "Tensor[] norms, float eps, int hq, int hkv, Tensor(b!)[] kv, int[] kv_parts, Tensor[] where, "
         "int[] ints) -> Tensor", &decoder_layer);
+  m.def("decoder_layers(Tensor(a!) x, Tensor normed, Tensor cos, Tensor sin, Tensor[] weights, int[] parts, "
+        "Tensor[] norms, float[] eps, int[] heads, Tensor(b!)[] kv, int[] kv_parts, Tensor[] where, int[] ints, "
+        "int[] counts) -> Tensor", &decoder_layers);
 }
