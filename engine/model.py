@@ -223,7 +223,6 @@ class OneCall:
                    post.eps, a.num_heads, a.num_kv_heads)
 
 
-
 @dataclass
 class OneStep:
     """Every layer's OneCall, flattened for the kernels' decoder_layers: a decode step's layers in one call (one
@@ -261,6 +260,7 @@ def decode_rows(normed: torch.Tensor) -> bool:
     """Whether a step's rows can run through the compiled one-call layer (a decode step's few float32 CPU rows)."""
     return (_one_call and normed.dtype == torch.float32 and normed.device.type == "cpu"
             and normed.numel() <= DECODE_ROWS * normed.shape[-1] and kernels.ops() is not None)
+
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP; with sandwich norms (Gemma 2/3) each branch's output is normed too, and the

@@ -277,7 +277,7 @@ inline void with_rows(int64_t m, F f) {
 
 // f(r0, std::integral_constant<int, M>) for the activation rows [r0, r0 + M) of m, in groups of 8 and what is left
 // as 4, 3, 2 or 1: every group a compiled row count, each row computed alone within its group (so the same bits
-// for any m); a chunk's weight rows are read again from L2 by each later group
+// for any m); each later group reads the chunk's weight rows again, from the caches
 template <typename F>
 inline void in_row_groups(int64_t m, F f) {
   for (int64_t r0 = 0; r0 < m;) {
@@ -506,7 +506,7 @@ inline void int4_row(const uint8_t* crow, const float* dw, const float* mw, int6
 #if defined(KVSCOPE_AVX512)
 // int4_row<M, G> for the weight rows [n0, n1) in one loop, M (1 to 8) activation rows: the same operations in the
 // same order for every M (so the same bits), the 2M accumulators in one function (a call per weight row realigned
-// its stack, zeroed, spilled and reloaded them: ~10 of ~28 ns a row at M = 1, ~10% of a batch of 8's step).
+// its stack, zeroed, spilled and reloaded them: ~10 of ~28 ns a row at M = 1, ~7% of a batch of 8's step).
 // dw, mw: scratch of `groups` floats.
 template <int M, int G>
 __attribute__((noinline)) void int4_rows(const uint8_t* c, const uint16_t* sc, const uint16_t* mn, int64_t k,
@@ -3071,7 +3071,6 @@ at::Tensor decoder_layer(at::Tensor x, const at::Tensor& normed, const at::Tenso
   auto gated = silu_mul(project(mid, weights, first[2], parts[2]));
   return add_rms_norm(x, project(gated, weights, first[3], parts[3]), norms[1], eps);
 }
-
 
 // the next n items of v from `at` (advanced), checked against v's end
 template <typename T>
