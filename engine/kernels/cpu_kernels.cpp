@@ -129,9 +129,14 @@ inline float hsum(__m256 v) {
 
 #endif
 
-// a projection's chunk of weight rows: two a thread (four measured 4-9% slower steps at two threads, alternating in
-// one process: each chunk's claim, its cold start and the last one's wait cost more than the balance they bought)
-int64_t grain_for(int64_t n) { return std::max<int64_t>(64, n / (2 * std::max(1, at::get_num_threads()))); }
+// a job of n items in about two chunks a thread, each at least `least` items: four a thread (projections) or one
+// task each (attention) measured 3-9% slower steps at two threads, alternating in one process (each chunk's claim,
+// its cold start and the last one's wait cost more than the balance they bought; in longer chunks one thread reads
+// a head's key tiles in order, its prefetches for the next tile its own)
+int64_t two_a_thread(int64_t n, int64_t least) {
+  return std::max<int64_t>(least, n / (2 * std::max(1, at::get_num_threads())));
+}
+int64_t grain_for(int64_t n) { return two_a_thread(n, 64); }  // a projection's weight rows
 
 // ---------------------------------------------------------------- the kernels' threads
 // A job is split into chunks that the caller and the pool's workers claim one at a time, and the caller waits only
@@ -2605,7 +2610,8 @@ at::Tensor run_attention(const at::Tensor& q, const StepMap& map, MakeRows make_
     }
   std::vector<float> partials(parts * vectors * stride);
   const float* qb = q.data_ptr<float>();
-  parallel_chunks(static_cast<int64_t>(work.size()), 1, [&](int64_t w0, int64_t w1) {
+  const int64_t tasks = static_cast<int64_t>(work.size());
+  parallel_chunks(tasks, two_a_thread(tasks, 1), [&](int64_t w0, int64_t w1) {
     thread_local std::vector<float> qg;
     for (int64_t w = w0; w < w1; ++w) {
       const Work& job = work[w];
