@@ -431,11 +431,10 @@ inline PairCodes int8_pair(const int8_t* crow, int64_t b, bool single) {
   return {_mm512_cvtepi8_epi16(_mm512_castsi512_si256(halves)), _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(halves, 1))};
 }
 
-// sums[i] = sum over blocks b of scale_w(b) * (codes_b . q_i,b) for the M activation rows of x;
 // the pairs of a row of nb blocks in one order: pair(b, single, acc) for pairs 0, 4, 8, ... into even and 2, 6, ...
 // into odd (alternating, so an FMA does not wait for the one before), the stream prefetched PREFETCH bytes ahead
-// every 64 bytes; Acc: one register (one activation row) or an array of them (M rows), named, not indexed, so
-// they stay in registers
+// every 64 bytes; Acc: the activation rows' accumulators (row_sums' arrays, indexed only by constants once
+// unrolled, so they stay in registers)
 template <typename Pair, typename Acc>
 inline void each_pair(int64_t nb, const char* stream, int64_t block_bytes, Pair pair, Acc& even, Acc& odd) {
   int64_t b = 0;
@@ -451,7 +450,6 @@ inline void each_pair(int64_t nb, const char* stream, int64_t block_bytes, Pair 
     else pair(b, true, even);
   }
 }
-
 
 // one weight row (crow, nb blocks of block_bytes) against M activation rows (q: their pair-ordered codes, k apart):
 // each row's sum over its pairs through each_pair, codes(b, single) -> PairCodes, scale(b, single) -> the pair's
