@@ -451,6 +451,35 @@ inline void each_pair(int64_t nb, const char* stream, int64_t block_bytes, Pair 
   }
 }
 
+// sums[i] = _mm512_reduce_add_ps(v[i]) for M registers: the same additions in the same order (so the same bits),
+// up to 8 registers' at once: their halves added two registers a time (lanes j + 8), then their quarters
+// (j + 4), then pairs (j + 2), then neighbours, as the reduction adds them, rows side by side
+template <int M>
+inline void reduce_rows(const std::array<__m512, M>& v, float* sums) {
+  if constexpr (M == 1) {
+    sums[0] = _mm512_reduce_add_ps(v[0]);
+  } else {
+    static_assert(M <= 8, "up to 8 registers");
+    auto row = [&](int i) { return i < M ? v[i] : _mm512_setzero_ps(); };
+    auto halves = [](__m512 a, __m512 b) {  // [a lanes 0-7 + 8-15 | b's]
+      return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    };
+    auto quarters = [](__m512 p, __m512 q) {  // 4 rows' 8-lane partials -> their 4-lane ones, a row a 128-bit lane
+      return _mm512_add_ps(_mm512_shuffle_f32x4(p, q, _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_f32x4(p, q, _MM_SHUFFLE(3, 1, 3, 1)));
+    };
+    __m512 first = quarters(halves(row(0), row(1)), halves(row(2), row(3)));
+    __m512 second = M > 4 ? quarters(halves(row(4), row(5)), halves(row(6), row(7))) : _mm512_setzero_ps();
+    __m512 pairs = _mm512_add_ps(_mm512_shuffle_ps(first, second, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(first, second, _MM_SHUFFLE(3, 2, 3, 2)));
+    __m512 total = _mm512_add_ps(pairs, _mm512_permute_ps(pairs, _MM_SHUFFLE(2, 3, 0, 1)));
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, total);  // row i < 4 in lane 4i, row i >= 4 in lane 4(i - 4) + 2
+    for (int i = 0; i < M; ++i) sums[i] = lanes[i < 4 ? 4 * i : 4 * (i - 4) + 2];
+  }
+}
+
 // one weight row (crow, nb blocks of block_bytes) against M activation rows (q: their pair-ordered codes, k apart):
 // each row's sum over its pairs through each_pair, codes(b, single) -> PairCodes, scale(b, single) -> the pair's
 // weight scales; inlined into the row loops, so that the 2M accumulators stay in registers
@@ -465,7 +494,8 @@ __attribute__((always_inline)) inline void row_sums(int64_t nb, const void* crow
     for (int i = 0; i < M; ++i) acc[i] = _mm512_fmadd_ps(pair_sums(c, q + i * k + b * QK, single), s, acc[i]);
   };
   each_pair(nb, static_cast<const char*>(crow), block_bytes, pair, even, odd);
-  for (int i = 0; i < M; ++i) sums[i] = _mm512_reduce_add_ps(_mm512_add_ps(even[i], odd[i]));
+  for (int i = 0; i < M; ++i) even[i] = _mm512_add_ps(even[i], odd[i]);
+  reduce_rows<M>(even, sums);
 }
 #endif
 
@@ -509,18 +539,48 @@ inline void int4_row(const uint8_t* crow, const float* dw, const float* mw, int6
 }
 
 #if defined(KVSCOPE_AVX512)
+// the int4 minimums' term of one weight row for M activation rows: terms[i] = dot_floats(mw, xsg_i, groups). Where
+// M rows' dot_floats would take more instructions than one pass over the groups, that pass: the same operations
+// in the same order (so the same bits) with the rows along the lanes of one register (by_group[g * MAX_ROWS + i]
+// = xsg_i[g]): dot_floats' 8 chains (g % 8), its sums of them, then its tail.
+template <int M>
+inline void minimum_terms(const float* mw, const float* by_group, const float* xsg, int64_t groups, float* terms) {
+  if constexpr (M == 1) {
+    terms[0] = dot_floats(mw, xsg, groups);
+  } else if (M * (groups / 8 + 8) <= groups + 8) {
+    for (int i = 0; i < M; ++i) terms[i] = dot_floats(mw, xsg + i * groups, groups);
+  } else {
+    static_assert(M <= 8, "a register of rows");
+    auto at = [&](int64_t g) { return _mm256_loadu_ps(by_group + g * MAX_ROWS); };
+    std::array<__m256, 8> acc;
+    acc.fill(_mm256_setzero_ps());
+    int64_t g = 0;
+    for (; g + 8 <= groups; g += 8)
+      for (int l = 0; l < 8; ++l) acc[l] = _mm256_fmadd_ps(_mm256_set1_ps(mw[g + l]), at(g + l), acc[l]);
+    __m256 low = _mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6]));  // as hsum adds them
+    __m256 high = _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7]));
+    __m256 sum = _mm256_add_ps(low, high);
+    for (; g < groups; ++g) sum = _mm256_fmadd_ps(_mm256_set1_ps(mw[g]), at(g), sum);
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, sum);
+    for (int i = 0; i < M; ++i) terms[i] = lanes[i];
+  }
+}
+
 // int4_row<M, G> for the weight rows [n0, n1) in one loop, M (1 to 8) activation rows: the same operations in the
 // same order for every M (so the same bits), the 2M accumulators in one function (a call per weight row realigned
 // its stack, zeroed, spilled and reloaded them: ~10 of ~28 ns a row at M = 1, ~7% of a batch of 8's step).
 // dw, mw: scratch of `groups` floats.
 template <int M, int G>
 __attribute__((noinline)) void int4_rows(const uint8_t* c, const uint16_t* sc, const uint16_t* mn, int64_t k,
-                                         const QuantizedRows& x, int64_t r0, const float* xsg, float* out, int64_t n0,
-                                         int64_t n1, int64_t n, float* dw, float* mw) {
+                                         const QuantizedRows& x, int64_t r0, const float* xsg,
+                                         const float* xsg_by_group, float* out, int64_t n0, int64_t n1, int64_t n,
+                                         float* dw, float* mw) {
   const int64_t nb = k / QK, groups = k / G;
   const int16_t* q = x.q.data() + r0 * k;
   const float* d = x.d.data() + r0;
-  xsg += r0 * groups, out += r0 * n;
+  const float* xsg_rows = xsg_by_group + r0;
+  out += r0 * n;
   for (int64_t row = n0; row < n1; ++row) {
     prefetch_params(sc, mn, row + PARAMS_AHEAD, groups, n);
     halves_to_floats(sc + row * groups, dw, groups);
@@ -533,7 +593,9 @@ __attribute__((noinline)) void int4_rows(const uint8_t* c, const uint16_t* sc, c
           return G == 64 ? _mm512_set1_ps(dw[b / 2]) : two_scales(dw[b], single ? 0.f : dw[b + 1]);
         },
         sums);
-    for (int i = 0; i < M; ++i) out[i * n + row] = (sums[i] + dot_floats(mw, xsg + i * groups, groups)) * d[i];
+    float terms[M];
+    minimum_terms<M>(mw, xsg_rows, xsg + r0 * groups, groups, terms);
+    for (int i = 0; i < M; ++i) out[i * n + row] = (sums[i] + terms[i]) * d[i];
   }
 }
 #endif
@@ -555,6 +617,9 @@ at::Tensor int4_linear(const at::Tensor& input, const at::Tensor& codes, const a
   int64_t sub = g / QK;
   for (int64_t i = 0; i < m; ++i)
     for (int64_t b = 0; b < k / QK; ++b) xsg[i * groups + b / sub] += rows.s[i * (k / QK) + b];
+  std::vector<float> xsg_by_group(groups * MAX_ROWS + 8, 0.f);  // the same, [group][row] (+ a register's overrun)
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < groups; ++j) xsg_by_group[j * MAX_ROWS + i] = xsg[i * groups + j];
   auto y = at::empty({m, n}, x.options());
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
@@ -565,8 +630,8 @@ at::Tensor int4_linear(const at::Tensor& input, const at::Tensor& codes, const a
 #if defined(KVSCOPE_AVX512)
     return in_row_groups(m, [&](int64_t r0, auto rows_m) {
       constexpr int M = decltype(rows_m)::value;
-      (g == 32 ? int4_rows<M, 32> : int4_rows<M, 64>)(c, sc, mn, k, rows, r0, xsg.data(), out, n0, n1, n, dw.data(),
-                                                      mw.data());
+      (g == 32 ? int4_rows<M, 32> : int4_rows<M, 64>)(c, sc, mn, k, rows, r0, xsg.data(), xsg_by_group.data(), out,
+                                                      n0, n1, n, dw.data(), mw.data());
     });
 #endif
     for (int64_t row = n0; row < n1; ++row) {
