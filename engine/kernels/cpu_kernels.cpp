@@ -617,9 +617,11 @@ at::Tensor int4_linear(const at::Tensor& input, const at::Tensor& codes, const a
   int64_t sub = g / QK;
   for (int64_t i = 0; i < m; ++i)
     for (int64_t b = 0; b < k / QK; ++b) xsg[i * groups + b / sub] += rows.s[i * (k / QK) + b];
+#if defined(KVSCOPE_AVX512)
   std::vector<float> xsg_by_group(groups * MAX_ROWS + 8, 0.f);  // the same, [group][row] (+ a register's overrun)
   for (int64_t i = 0; i < m; ++i)
     for (int64_t j = 0; j < groups; ++j) xsg_by_group[j * MAX_ROWS + i] = xsg[i * groups + j];
+#endif
   auto y = at::empty({m, n}, x.options());
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
