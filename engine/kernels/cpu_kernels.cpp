@@ -618,8 +618,9 @@ at::Tensor int4_linear(const at::Tensor& input, const at::Tensor& codes, const a
   for (int64_t i = 0; i < m; ++i)
     for (int64_t b = 0; b < k / QK; ++b) xsg[i * groups + b / sub] += rows.s[i * (k / QK) + b];
 #if defined(KVSCOPE_AVX512)
-  std::vector<float> xsg_by_group(groups * MAX_ROWS + 8, 0.f);  // the same, [group][row] (+ a register's overrun)
-  for (int64_t i = 0; i < m; ++i)
+  // the same, [group][row] (+ a register's overrun), for minimum_terms' pass over several rows (one row: unused)
+  std::vector<float> xsg_by_group(m > 1 ? groups * MAX_ROWS + 8 : 0, 0.f);
+  for (int64_t i = 0; m > 1 && i < m; ++i)
     for (int64_t j = 0; j < groups; ++j) xsg_by_group[j * MAX_ROWS + i] = xsg[i * groups + j];
 #endif
   auto y = at::empty({m, n}, x.options());
