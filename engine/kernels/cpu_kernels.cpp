@@ -1270,9 +1270,11 @@ inline const float* in_key_order(const float* q, int64_t nq, int64_t d) {
   }
 }
 
-// score_four_keys 16 lanes at a time: NV vectors q[v] (in key order) against n <= 4 key rows k
-template <typename T, int NV>
-inline void score_four_keys_512(const float* const* q, const T* const* k, int64_t n, int64_t d, float* const* out) {
+// score_four_keys 16 lanes at a time: NV vectors q[v] (in key order) against n <= 4 key rows k; D32: d / 32 where
+// known when compiled, else 0
+template <typename T, int NV, int D32>
+inline void score_four_keys_512(const float* const* q, const T* const* k, int64_t n, int64_t d_, float* const* out) {
+  const int64_t d = D32 ? D32 * 32 : d_;
   const T* r[4];
   for (int64_t j = 0; j < 4; ++j) r[j] = k[std::min<int64_t>(j, n - 1)];
   __m512 acc[NV][4];
@@ -1285,11 +1287,16 @@ inline void score_four_keys_512(const float* const* q, const T* const* k, int64_
         acc[v][j] = _mm512_fmadd_ps(qb, b[j], c == 0 ? _mm512_mul_ps(qa, a[j]) : _mm512_fmadd_ps(qa, a[j], acc[v][j]));
     }
   }
-  for (int v = 0; v < NV; ++v) {
-    alignas(16) float four[4];
-    _mm_store_ps(four, reduce4<false>(acc[v][0], acc[v][1], acc[v][2], acc[v][3]));
-    for (int64_t j = 0; j < n; ++j) out[v][j] = four[j];
-  }
+  const __mmask8 keep = static_cast<__mmask8>((1u << n) - 1);
+  for (int v = 0; v < NV; ++v)
+    _mm_mask_storeu_ps(out[v], keep, reduce4<false>(acc[v][0], acc[v][1], acc[v][2], acc[v][3]));
+}
+
+template <typename T, int NV>
+inline void score_four_keys_512(const float* const* q, const T* const* k, int64_t n, int64_t d, float* const* out) {
+  if (d == 64) return score_four_keys_512<T, NV, 2>(q, k, n, d, out);
+  if (d == 128) return score_four_keys_512<T, NV, 4>(q, k, n, d, out);
+  score_four_keys_512<T, NV, 0>(q, k, n, d, out);
 }
 
 // weigh_rows 16 lanes at a time, C (1 or 2) groups of 32 channels from c: out_v[c..) += sum over p of e_v[p] * v[p]
@@ -2059,6 +2066,23 @@ template <typename T>
 inline void weights_8bit(const float* w, int64_t n, T* w8, float* dw) {
   for (int64_t c0 = 0; c0 < n; c0 += WEIGHT_CHUNK) {
     int64_t m = std::min(WEIGHT_CHUNK, n - c0);
+#ifdef KVSCOPE_AVX512  // the chunk in two registers (zeros past m), its integers narrowed in them: no copies
+    const __mmask16 first = static_cast<__mmask16>(m >= 16 ? 0xFFFF : (1u << m) - 1);
+    const __mmask16 second = static_cast<__mmask16>(m >= 32 ? 0xFFFF : m <= 16 ? 0 : (1u << (m - 16)) - 1);
+    __m512 x0 = _mm512_maskz_loadu_ps(first, w + c0), x1 = _mm512_maskz_loadu_ps(second, w + c0 + 16);
+    __m512 top16 = _mm512_max_ps(x0, x1);
+    __m256 top = _mm256_max_ps(_mm512_castps512_ps256(top16), _mm512_extractf32x8_ps(top16, 1));
+    float wmax = hmax(top), inv = wmax > 0.f ? 255.f / wmax : 0.f;
+    const __m512 vinv = _mm512_set1_ps(inv);
+    __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, vinv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, vinv));
+    if constexpr (sizeof(T) == 1) {  // 0..255: an integer's low byte (or word) is the integer
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(w8 + c0), _mm512_cvtepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(w8 + c0 + 16), _mm512_cvtepi32_epi8(q1));
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w8 + c0), _mm512_cvtepi32_epi16(q0));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w8 + c0 + 16), _mm512_cvtepi32_epi16(q1));
+    }
+#else
     alignas(32) float x[WEIGHT_CHUNK] = {};
     std::copy_n(w + c0, m, x);
     __m256 top = _mm256_max_ps(_mm256_max_ps(_mm256_load_ps(x), _mm256_load_ps(x + 8)),
@@ -2069,6 +2093,7 @@ inline void weights_8bit(const float* w, int64_t n, T* w8, float* dw) {
       _mm256_store_si256(reinterpret_cast<__m256i*>(q + p),
                          _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(x + p), _mm256_set1_ps(inv))));
     for (int64_t p = 0; p < WEIGHT_CHUNK; ++p) w8[c0 + p] = static_cast<T>(q[p]);
+#endif
     dw[c0 / WEIGHT_CHUNK] = wmax / 255.f;
   }
 }
