@@ -1274,7 +1274,8 @@ inline const float* in_key_order(const float* q, int64_t nq, int64_t d) {
 // known when compiled, else 0. Called per four keys, so inlined by request with its callers (out of line, a call
 // and its arguments through the stack per four keys cost the float attention 3-15%)
 template <typename T, int NV, int D32>
-__attribute__((always_inline)) inline void score_four_keys_512(const float* const* q, const T* const* k, int64_t n, int64_t d_, float* const* out) {
+__attribute__((always_inline)) inline void score_four_keys_512(const float* const* q, const T* const* k, int64_t n,
+                                                               int64_t d_, float* const* out) {
   const int64_t d = D32 ? D32 * 32 : d_;
   const T* r[4];
   for (int64_t j = 0; j < 4; ++j) r[j] = k[std::min<int64_t>(j, n - 1)];
@@ -1294,7 +1295,8 @@ __attribute__((always_inline)) inline void score_four_keys_512(const float* cons
 }
 
 template <typename T, int NV>
-__attribute__((always_inline)) inline void score_four_keys_512(const float* const* q, const T* const* k, int64_t n, int64_t d, float* const* out) {
+__attribute__((always_inline)) inline void score_four_keys_512(const float* const* q, const T* const* k, int64_t n,
+                                                               int64_t d, float* const* out) {
   if (d == 64) return score_four_keys_512<T, NV, 2>(q, k, n, d, out);
   if (d == 128) return score_four_keys_512<T, NV, 4>(q, k, n, d, out);
   score_four_keys_512<T, NV, 0>(q, k, n, d, out);
@@ -1349,8 +1351,8 @@ __attribute__((always_inline)) inline void in_threes(int64_t count, F f) {
 // position; in_key_order's channel order where it applies): their scores against n <= 4 keys k (each vector's
 // scores `padded` apart)
 template <typename T>
-__attribute__((always_inline)) inline void score_group(const float* q, int64_t count, int64_t d, const T* const* k, int64_t n, float* scores,
-                        int64_t padded) {
+__attribute__((always_inline)) inline void score_group(const float* q, int64_t count, int64_t d, const T* const* k,
+                                                       int64_t n, float* scores, int64_t padded) {
 #ifdef KVSCOPE_AVX2
   in_threes(count, [&](int64_t a, auto nv) {
     constexpr int NV = decltype(nv)::value;
