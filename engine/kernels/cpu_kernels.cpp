@@ -2466,22 +2466,32 @@ void score_quantized(const float* q, const QuantRows<BITS>& keys, const QuantRow
   }
 }
 
-// w[p] = e[p] * scale[p] for p < m, 0 up to `even`; returns the bias sum of e[p] * minimum[p] (8 lanes, then theirs)
-inline float fold_weights(const float* e, const float* scale, const float* minimum, int64_t m, int64_t even, float* w) {
+// for V vectors of m weights each: w_v[p] = e_v[p] * scale[p] for p < m, 0 up to `even`; bias[v] = the sum of
+// e_v[p] * minimum[p] (8 lanes, then theirs). Each vector's bias is one chain of FMAs: V of them side by side
+// (one alone waited on the FMA's latency)
+template <int V>
+inline void fold_weights(const float* const* e, const float* scale, const float* minimum, int64_t m, int64_t even,
+                         float* const* w, float* bias) {
   int64_t p = 0;
-  float tail = 0.f;
+  float tail[V] = {};
 #ifdef KVSCOPE_AVX2
-  __m256 b = _mm256_setzero_ps();
+  __m256 b[V];
+  for (int v = 0; v < V; ++v) b[v] = _mm256_setzero_ps();
   for (; p + 8 <= m; p += 8) {
-    __m256 ev = _mm256_loadu_ps(e + p);
-    _mm256_storeu_ps(w + p, _mm256_mul_ps(ev, _mm256_loadu_ps(scale + p)));
-    b = _mm256_fmadd_ps(ev, _mm256_loadu_ps(minimum + p), b);
+    __m256 sc = _mm256_loadu_ps(scale + p), mn = _mm256_loadu_ps(minimum + p);
+    for (int v = 0; v < V; ++v) {
+      __m256 ev = _mm256_loadu_ps(e[v] + p);
+      _mm256_storeu_ps(w[v] + p, _mm256_mul_ps(ev, sc));
+      b[v] = _mm256_fmadd_ps(ev, mn, b[v]);
+    }
   }
-  tail = hsum(b);
+  for (int v = 0; v < V; ++v) tail[v] = hsum(b[v]);
 #endif
-  for (; p < m; ++p) w[p] = e[p] * scale[p], tail += e[p] * minimum[p];
-  std::fill(w + m, w + even, 0.f);
-  return tail;
+  for (int v = 0; v < V; ++v) {
+    for (int64_t q = p; q < m; ++q) w[v][q] = e[v][q] * scale[q], tail[v] += e[v][q] * minimum[q];
+    std::fill(w[v] + m, w[v] + even, 0.f);
+    bias[v] = tail[v];
+  }
 }
 
 // n tokens' value scales (int4: and minimums) as floats; params[p]: token p's float16 scale (int4: then its
@@ -2531,13 +2541,26 @@ void weigh_quantized(const float* scores, int64_t padded, const QuantRows<BITS>&
   bias.resize(nq);
   active.clear();
   int64_t upto = 0;  // positions any vector weighs, from qstart
-  for (int64_t i = 0; i < nq; ++i) {
-    if (qstart - k0 > last[i]) continue;
-    int64_t m = std::min(n, k0 + last[i] + 1 - qstart);
-    float* w = weights.data() + active.size() * even;
-    bias[active.size()] = fold_weights(scores + i * padded + qstart - k0, scale.data(), minimum.data(), m, even, w);
-    active.push_back(i);
+  for (int64_t i = 0; i < nq;) {
+    if (qstart - k0 > last[i]) {
+      ++i;
+      continue;
+    }
+    int64_t m = std::min(n, k0 + last[i] + 1 - qstart), count = 1;  // up to three vectors of one row at once
+    while (count < 3 && i + count < nq && last[i + count] == last[i]) ++count;
+    const float* e[3];
+    float* w[3];
+    for (int64_t v = 0; v < count; ++v) {
+      e[v] = scores + (i + v) * padded + qstart - k0;
+      w[v] = weights.data() + (active.size() + v) * even;
+    }
+    float* b = bias.data() + active.size();
+    if (count == 3) fold_weights<3>(e, scale.data(), minimum.data(), m, even, w, b);
+    if (count == 2) fold_weights<2>(e, scale.data(), minimum.data(), m, even, w, b);
+    if (count == 1) fold_weights<1>(e, scale.data(), minimum.data(), m, even, w, b);
+    for (int64_t v = 0; v < count; ++v) active.push_back(i + v);
     upto = std::max(upto, m);
+    i += count;
   }
   const uint8_t* const* rows = values.code + (qstart - values.first);
 #ifdef KVSCOPE_AVX2
