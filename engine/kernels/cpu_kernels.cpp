@@ -2541,26 +2541,22 @@ void weigh_quantized(const float* scores, int64_t padded, const QuantRows<BITS>&
   bias.resize(nq);
   active.clear();
   int64_t upto = 0;  // positions any vector weighs, from qstart
-  for (int64_t i = 0; i < nq;) {
-    if (qstart - k0 > last[i]) {
-      ++i;
-      continue;
-    }
-    int64_t m = std::min(n, k0 + last[i] + 1 - qstart), count = 1;  // up to three vectors of one row at once
-    while (count < 3 && i + count < nq && last[i + count] == last[i]) ++count;
-    const float* e[3];
-    float* w[3];
-    for (int64_t v = 0; v < count; ++v) {
-      e[v] = scores + (i + v) * padded + qstart - k0;
-      w[v] = weights.data() + (active.size() + v) * even;
-    }
-    float* b = bias.data() + active.size();
-    if (count == 3) fold_weights<3>(e, scale.data(), minimum.data(), m, even, w, b);
-    if (count == 2) fold_weights<2>(e, scale.data(), minimum.data(), m, even, w, b);
-    if (count == 1) fold_weights<1>(e, scale.data(), minimum.data(), m, even, w, b);
-    for (int64_t v = 0; v < count; ++v) active.push_back(i + v);
+  for (int64_t i = 0, run; i < nq; i += run) {  // the vectors of one row (one last key) fold three at a time
+    for (run = 1; i + run < nq && last[i + run] == last[i];) ++run;
+    if (qstart - k0 > last[i]) continue;
+    int64_t m = std::min(n, k0 + last[i] + 1 - qstart);
+    in_threes(run, [&](int64_t a, auto nv) {
+      constexpr int V = decltype(nv)::value;
+      const float* e[V];
+      float* w[V];
+      for (int v = 0; v < V; ++v) {
+        e[v] = scores + (i + a + v) * padded + qstart - k0;
+        w[v] = weights.data() + (active.size() + v) * even;
+      }
+      fold_weights<V>(e, scale.data(), minimum.data(), m, even, w, bias.data() + active.size());
+      for (int v = 0; v < V; ++v) active.push_back(i + a + v);
+    });
     upto = std::max(upto, m);
-    i += count;
   }
   const uint8_t* const* rows = values.code + (qstart - values.first);
 #ifdef KVSCOPE_AVX2
