@@ -389,7 +389,9 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, view: StepView, all_logits: bool = False) -> torch.Tensor:
         """input_ids: [B, T] (right-padded to view.n_new) -> logits [B, V] of each last token, or [B, T, V]."""
         normed = self.hidden_states(input_ids, view)
-        if not all_logits:
+        if not all_logits and all(n == normed.shape[1] for n in view.n_new):
+            normed = normed[:, -1].contiguous()  # [B, H] (a decode step's rows as they are)
+        elif not all_logits:
             last = torch.tensor(view.n_new, device=normed.device) - 1
             normed = normed[torch.arange(normed.shape[0], device=normed.device), last]  # [B, H]
         logits = self.lm_head(normed).float()

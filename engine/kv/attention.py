@@ -15,6 +15,7 @@ Two implementations, the same contract:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -71,17 +72,24 @@ class KeyMap:
 
     @classmethod
     def build(cls, tables: list[list[int]], block_store: torch.Tensor, block_start: torch.Tensor, block_size: int,
-              past: list[int], n_new: list[int], device: torch.device) -> KeyMap:
-        """tables: per sequence its block ids; block_store, block_start: int32 [num_blocks]. The new tokens are
-        written where their positions fall in those tables."""
-        width = max(1, max(len(t) for t in tables))
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
-        q_pos = query_positions(past, n_new, device)
+              past: list[int], n_new: list[int], device: torch.device,
+              block_lists: tuple[list[int], list[int]] | None = None) -> KeyMap:
+        """tables: per sequence its block ids; block_store, block_start: int32 [num_blocks] (block_lists: the same
+        as lists, where the caller keeps them). The new tokens are written where their positions fall in those
+        tables. Built from Python lists, one tensor each: a decode step's few ints cost more as tensor ops."""
+        stores, starts = block_lists or (block_store.tolist(), block_start.tolist())
+        t, width = max(n_new), max(1, max(len(blocks) for blocks in tables))
+        q_pos, store_of, slot_of = [], [], []
+        for blocks, p, n in zip(tables, past, n_new):
+            new = [blocks[(p + j) // block_size] for j in range(n)]  # the block each new token falls in
+            q_pos.append([p + j for j in range(n)] + [-1] * (t - n))
+            store_of.append([stores[b] for b in new] + [-1] * (t - n))
+            slot_of.append([starts[b] + (p + j) % block_size for j, b in enumerate(new)] + [0] * (t - n))
+        table = [blocks + [0] * (width - len(blocks)) for blocks in tables]
+        table, q_pos, store_of, slot_of = (torch.tensor(x, dtype=torch.int32, device=device)
+                                           for x in (table, q_pos, store_of, slot_of))
         keys = cls(table, block_store, block_start, block_size, q_pos, [p + n for p, n in zip(past, n_new)])
-        valid, pos = q_pos >= 0, q_pos.clamp(min=0).long()  # [B, T]
-        blocks = table.long().gather(1, pos // block_size)  # the block each new token falls in
-        keys.store_of = torch.where(valid, block_store[blocks], -1).int()
-        keys.slot_of = torch.where(valid, block_start[blocks] + pos % block_size, 0).int()
+        keys.store_of, keys.slot_of = store_of, slot_of
         return keys
 
     @classmethod
@@ -91,14 +99,18 @@ class KeyMap:
         n = len(capacities)
         stores = torch.arange(n, dtype=torch.int32, device=device)
         return cls.build([[i] for i in range(n)], stores, torch.zeros_like(stores), max(capacities), past, n_new,
-                         device)
+                         device, (list(range(n)), [0] * n))
 
     def fused_kv(self, k_stores: list[torch.Tensor], v_stores: list[torch.Tensor]):
         """A float layout's stores and this map as the one-call layer takes them (engine.kv.base.FusedKV)."""
         if k_stores[0].dtype not in FLOAT_STORES:
             return None
-        where = [self.table, self.block_store, self.block_start, self.q_pos, self.store_of, self.slot_of]
-        return [*k_stores, *v_stores], [len(k_stores), len(v_stores)], where, [self.block_size]
+        return [*k_stores, *v_stores], [len(k_stores), len(v_stores)], self.fused_where, [self.block_size]
+
+    @functools.cached_property
+    def fused_where(self) -> list[torch.Tensor]:
+        """The map's tensors as a float layout's one-call layer takes them (the same list for every layer)."""
+        return [self.table, self.block_store, self.block_start, self.q_pos, self.store_of, self.slot_of]
 
     def gather_plan(self, num_stores: int) -> list:
         """Per store: (slots to read, where they go in the padded [B * S_pad] key order); and S_pad."""

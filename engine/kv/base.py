@@ -56,8 +56,7 @@ class StepView(ABC):
         self.past = past
         self.n_new = n_new
         t = max(n_new)
-        offsets = torch.arange(t, device=device)
-        self.positions = torch.tensor(past, device=device)[:, None] + offsets[None, :]  # [B, T]
+        self.positions = torch.tensor([range(p, p + t) for p in past], device=device)  # [B, T]
         self.kv_len = [p + n for p, n in zip(past, n_new)]
 
     @abstractmethod

@@ -55,6 +55,7 @@ class ContiguousQuantView(StepView):
         self.keys = KeyMap.build(tables, stores.to(cache.device), starts.to(cache.device), g, past, n_new,
                                  cache.device)
         self.upto = cache.state.upto_tensor(seq_ids)
+        self._fused_where: list[torch.Tensor] | None = None  # made on the first layer's fused_kv
         self.window = cache.windows.step(seq_ids, past, n_new) if cache.windows else None
 
     def attend(self, layer, q, k, v, spec=None):
@@ -80,8 +81,10 @@ class ContiguousQuantView(StepView):
     def fused_kv(self, layer):
         if (at := self.store_layer(layer)) is None:
             return None
+        if self._fused_where is None:
+            self._fused_where = self.cache.state.fused_where(self.keys, self.upto)
         stores = [[buf.layers[t][at] for buf in self.buffers] for t in range(4)]
-        return self.cache.state.fused_kv(stores, self.seq_ids, at, self.keys, self.upto)
+        return self.cache.state.fused_kv(stores, self.seq_ids, at, self._fused_where)
 
 
 class ContiguousQuantCache(ContiguousCache):

@@ -64,7 +64,8 @@ class PagedView(StepView):
         self.cache = cache
         self.tables = tables
         block_store, block_start = cache.block_map()
-        self.keys = KeyMap.build(tables, block_store, block_start, cache.block_size, past, n_new, cache.device)
+        self.keys = KeyMap.build(tables, block_store, block_start, cache.block_size, past, n_new, cache.device,
+                                 cache.block_map_lists())
         self.window = cache.windows.step(seq_ids, past, n_new) if cache.windows else None
 
     def attend(self, layer, q, k, v, spec=None):
@@ -100,6 +101,13 @@ def block_map(chunk_sizes: tuple[int, ...], block_size: int, device: str) -> tup
             torch.tensor(slots, dtype=torch.int32, device=device))
 
 
+@functools.lru_cache(maxsize=16)
+def block_map_lists(chunk_sizes: tuple[int, ...], block_size: int) -> tuple[list[int], list[int]]:
+    """block_map's two maps as Python lists (what a step's KeyMap reads)."""
+    chunks, slots = block_map(chunk_sizes, block_size, "cpu")
+    return chunks.tolist(), slots.tolist()
+
+
 def take(store: torch.Tensor, index: torch.Tensor | slice) -> torch.Tensor:
     """store[:, index] along dim 1: a view for a slice, a gather for an index tensor."""
     return store[:, index] if isinstance(index, slice) else store.index_select(1, index)
@@ -125,6 +133,7 @@ class PagedCache(KVCache):
         self.seqs: dict[int, Sequence] = {}
         self.chunks: list[list[torch.Tensor]] = []  # per chunk: its storage tensors, see _chunk_tensors
         self.layers: list[list[tuple[torch.Tensor, ...]]] = []  # per chunk and storage tensor: its per-layer views
+        self.stores_by_layer: list[list[list[torch.Tensor]]] = []  # per storage tensor and layer: every chunk's view
 
     def _max_blocks(self, pool_tokens: int | None, budget_bytes: int | None) -> int:
         """The budget in blocks: pool_tokens and budget_bytes where given, else one context's worth."""
@@ -172,6 +181,7 @@ class PagedCache(KVCache):
         self.pool.grow(self.layout.add_chunk())
         self.chunks.append(tensors)
         self.layers.append([t.unbind(0) for t in tensors])
+        self._index_stores()
 
     def give_back(self) -> int:
         """Give back trailing chunks whose blocks are all free (not used, not cached); returns the blocks."""
@@ -181,7 +191,14 @@ class PagedCache(KVCache):
             returned += self.layout.remove_last_chunk()
             self.chunks.pop()
             self.layers.pop()
+        self._index_stores()
         return returned
+
+    def _index_stores(self) -> None:
+        """stores_by_layer from the chunks' views, once per change of chunks (a step reads it for every layer)."""
+        kinds = range(len(self.layers[0])) if self.layers else ()
+        self.stores_by_layer = [[[chunk[which][layer] for chunk in self.layers]
+                                 for layer in range(len(self.layers[0][which]))] for which in kinds]
 
     # ---- where the tokens are
     def read_plan(self, table: list[int], length: int, masked: bool = False) -> ReadPlan:
@@ -203,11 +220,14 @@ class PagedCache(KVCache):
 
     def layer_stores(self, which: int, layer: int) -> list[torch.Tensor]:
         """Storage tensor `which` of every chunk at one layer: [Hkv, chunk slots, D] (or its scales)."""
-        return [by_chunk[which][layer] for by_chunk in self.layers]
+        return self.stores_by_layer[which][layer] if self.layers else []
 
     def block_map(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per block id: its chunk and the slot of its first token there, int32 [num_blocks] each."""
         return block_map(tuple(self.layout.sizes), self.block_size, str(self.device))
+
+    def block_map_lists(self) -> tuple[list[int], list[int]]:
+        return block_map_lists(tuple(self.layout.sizes), self.block_size)
 
     # ---- preparing a sequence: reuse what is held, or what the prefix cache has
     def prepare(self, seq_id, token_ids):

@@ -30,6 +30,7 @@ class QuantView(PagedView):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.upto = self.cache.state.upto_tensor(self.seq_ids)  # before this step's writes
+        self._fused_where: list[torch.Tensor] | None = None  # made on the first layer's fused_kv
         self._locators = None
 
     def attend(self, layer, q, k, v, spec=None):
@@ -53,8 +54,10 @@ class QuantView(PagedView):
     def fused_kv(self, layer):
         if (at := self.store_layer(layer)) is None:
             return None
+        if self._fused_where is None:
+            self._fused_where = self.cache.state.fused_where(self.keys, self.upto)
         stores = [self.cache.layer_stores(i, at) for i in range(4)]
-        return self.cache.state.fused_kv(stores, self.seq_ids, at, self.keys, self.upto)
+        return self.cache.state.fused_kv(stores, self.seq_ids, at, self._fused_where)
 
 
 class PagedQuantCache(PagedCache):

@@ -115,13 +115,19 @@ class QuantState:
         windows = [self.seqs[s].layers[layer] for s in seq_ids]
         return [k for k, _ in windows], [v for _, v in windows]
 
-    def fused_kv(self, stores: list[list[torch.Tensor]], seq_ids: list[int], layer: int, keys: KeyMap,
-                 upto: torch.Tensor):
-        """attend_compiled's arguments as the one-call layer takes them (engine.kv.base.FusedKV)."""
-        groups = [*stores, *self.windows(seq_ids, layer)]
-        where = [keys.table, keys.block_store, keys.block_start, keys.q_pos, upto]
-        return ([t for g in groups for t in g], [len(g) for g in groups], where,
+    def fused_kv(self, stores: list[list[torch.Tensor]], seq_ids: list[int], layer: int,
+                 where: list[torch.Tensor]):
+        """attend_compiled's arguments as the one-call layer takes them (engine.kv.base.FusedKV); where: the step's
+        fused_where (the same list for every layer)."""
+        windows = [self.seqs[s].layers[layer] for s in seq_ids]
+        k_windows, v_windows = [k for k, _ in windows], [v for _, v in windows]
+        return ([*stores[0], *stores[1], *stores[2], *stores[3], *k_windows, *v_windows],
+                [*map(len, stores), len(windows), len(windows)], where,
                 [self.block_size, self.residual, self.sink, self.codec.bits])
+
+    @staticmethod
+    def fused_where(keys: KeyMap, upto: torch.Tensor) -> list[torch.Tensor]:
+        return [keys.table, keys.block_store, keys.block_start, keys.q_pos, upto]
 
     # ---- the pure PyTorch path (the same codes, in tensors)
     def write(self, layer: int, stores: list[list[torch.Tensor]], seq_id: int, locate, past: int,

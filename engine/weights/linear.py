@@ -200,6 +200,8 @@ class Int8Linear(WeightLinear):
         return self.quantized().dequantize(dtype, out=scratch(n * k, dtype, device))
 
     def rows(self, index, dtype):
+        if self.compiled is not None and dtype == torch.float32 and index.device.type == "cpu":
+            return self.compiled.int8_embed(self.codes, self.scales, index)  # the same products, one call
         codes = self.codes[index].to(dtype)  # [..., K]
         scales = self.scales[index].to(dtype)[..., None]  # [..., G, 1]
         return (codes.view(*codes.shape[:-1], -1, self.group_size) * scales).flatten(-2)
