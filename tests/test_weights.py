@@ -3,6 +3,8 @@ weights say, conversions go one tensor at a time, and bad files are refused with
 
 from __future__ import annotations
 
+import contextlib
+
 import gguf
 import numpy as np
 import pytest
@@ -10,14 +12,14 @@ import torch
 from gguf import GGMLQuantizationType as T
 from transformers import LlamaForCausalLM
 
-from engine import loader
+from engine import kernels, loader
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.loader import ModelLoadError
 from engine.model import LlamaModel
 from engine.weights.convert import to_format
 from engine.weights.formats import QuantizedWeight, quantize_int4, quantize_int8
-from engine.weights.gguf_blocks import unpermute_rows
+from engine.weights.gguf_blocks import quantize_int8_groups, unpermute_rows
 from engine.weights.linear import DECODE_ROWS, Int4Linear, Int8Linear, build_linear
 from tests.gguf_files import gguf_name, write_tiny_gguf
 
@@ -153,11 +155,23 @@ def test_quantization_rounds_to_the_nearest_step():
         assert (error <= step * 0.5 + step * 2**-9 + 1e-6).all()
 
 
-def test_int8_embedding_rows_equal_the_dequantized_table():
+@pytest.mark.parametrize("group", [32, 64])
+def test_int8_embedding_rows_are_the_dequantized_tables_rows_bit_for_bit_on_either_path(group):
     w = torch.randn(100, 64)
-    module = Int8Linear(quantize_int8(w))
+    q = quantize_int8(w) if group == 64 else quantize_int8_groups(w, group)
     ids = torch.tensor([[0, 5, 99], [7, 7, 1]])
-    torch.testing.assert_close(module.rows(ids, torch.float32), module.dense(torch.float32)[ids])
+    expected = Int8Linear(q).dense(torch.float32)[ids]
+    assert torch.equal(Int8Linear(q).rows(ids, torch.float32), expected)  # the compiled lookup where it is built
+    with kernels.pure_pytorch():
+        assert torch.equal(Int8Linear(q).rows(ids, torch.float32), expected)
+
+
+@pytest.mark.parametrize("pure", [False, True])
+def test_an_embedding_row_outside_the_table_is_refused_by_its_number(pure):
+    with kernels.pure_pytorch() if pure else contextlib.nullcontext():
+        module = Int8Linear(quantize_int8(torch.randn(100, 64)))
+        with pytest.raises((RuntimeError, IndexError), match="100"):
+            module.rows(torch.tensor([[3, 100]]), torch.float32)
 
 
 def test_a_model_converts_to_every_format_and_reports_what_it_holds(tiny_config, tokenizer):
