@@ -17,12 +17,18 @@ from torch import nn
 from engine import kernels
 from engine.config import ConfigError, ModelConfig
 from engine.kv.attention import LayerAttention
-from engine.kv.base import FusedKV, StepView
+from engine.kv.base import FusedStep, StepView
 from engine.weights.formats import QuantizedWeight
 from engine.weights.linear import DECODE_ROWS, FloatLinear, WeightLinear, build_linear
 
 Weight = torch.Tensor | QuantizedWeight
 _one_call = True  # decode layers run as one compiled call where they can
+_plans_generation = 0  # bumped wherever a layer's one-call plan may change: a model's OneStep is of one generation
+
+
+def plans_changed() -> None:
+    global _plans_generation
+    _plans_generation += 1
 
 
 @contextlib.contextmanager
@@ -242,18 +248,11 @@ class OneStep:
                    [h for p in plans for h in (p.num_heads, p.num_kv_heads)])
 
     def run(self, x: torch.Tensor, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            kvs: list[FusedKV]) -> torch.Tensor:
-        """x: the residual stream [B, T, H], updated in place; normed: x through the first layer's input norm.
-        Returns the last layer's output through the final norm."""
-        kv, kv_parts, where, ints, counts = [], [], [], [], []
-        for stores, groups, at, numbers in kvs:
-            kv += stores
-            kv_parts += groups
-            where += at
-            ints += numbers
-            counts += (len(stores), len(groups), len(at), len(numbers))
+            fused: FusedStep) -> torch.Tensor:
+        """x: the residual stream [B, T, H], updated in place; normed: x through the first layer's input norm;
+        fused: the step view's fused_step. Returns the last layer's output through the final norm."""
         return self.plans[0].ops.decoder_layers(x, normed, cos, sin, self.weights, self.parts, self.norms, self.eps,
-                                                self.heads, kv, kv_parts, where, ints, counts)
+                                                self.heads, *fused)
 
 
 def decode_rows(normed: torch.Tensor) -> bool:
@@ -307,6 +306,7 @@ class DecoderLayer(nn.Module):
 
     def _apply(self, fn, recurse=True):  # .to() and friends replace the tensors: look them up again
         self.__dict__.pop("_one_call", None)
+        plans_changed()
         return super()._apply(fn, recurse)
 
 
@@ -330,27 +330,34 @@ class LlamaModel(nn.Module):
         local = any(layer.local_rotary for layer in self.layers)
         self.local_rotary = Rotary(self.config, positions, local=True) if local else None
 
-    def one_step(self, layers: list[DecoderLayer], norms: list[RMSNorm], normed: torch.Tensor) -> OneStep | None:
+    def one_step(self, normed: torch.Tensor) -> OneStep | None:
         """Every layer in one call, where every layer has a one-call plan (no sliding or locally rotated layer)
-        and the rows are a decode step's; None otherwise (then each layer is one call, or runs op by op)."""
-        if not decode_rows(normed) or any(layer.local_rotary for layer in layers):
+        and the rows are a decode step's; None otherwise (then each layer is one call, or runs op by op). Planned
+        once per generation of the layers' plans, not per step (a step's Python is paid with cold caches)."""
+        if not decode_rows(normed):
             return None
-        plans = tuple(layer.one_call_plan(norm) for layer, norm in zip(layers, norms))
-        if any(plan is None for plan in plans):
-            return None
-        step = self.__dict__.get("_one_step")
-        if step is None or any(a is not b for a, b in zip(step.plans, plans, strict=True)):
-            step = self.__dict__["_one_step"] = OneStep.of(plans)
+        generation, step = self.__dict__.get("_one_step", (None, None))
+        if generation != _plans_generation:
+            step = self._plan_one_step()
+            self.__dict__["_one_step"] = (_plans_generation, step)
         return step
+
+    def _plan_one_step(self) -> OneStep | None:
+        layers = list(self.layers)
+        if any(layer.local_rotary for layer in layers):
+            return None
+        norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
+        plans = tuple(layer.one_call_plan(norm) for layer, norm in zip(layers, norms))
+        return None if any(plan is None for plan in plans) else OneStep.of(plans)
 
     def forget_one_call_plans(self) -> None:
         """Projections were replaced (a weight format changed): each layer looks its tensors up again."""
-        self.__dict__.pop("_one_step", None)
         for layer in self.layers:
             layer.__dict__.pop("_one_call", None)
+        plans_changed()
 
     def _apply(self, fn, recurse=True):  # .to() and friends replace the tensors: the flattened ones go too
-        self.__dict__.pop("_one_step", None)
+        plans_changed()
         return super()._apply(fn, recurse)
 
     def projections(self) -> dict[str, WeightLinear]:
@@ -409,12 +416,11 @@ class LlamaModel(nn.Module):
         if self.local_rotary is not None:
             tables.append(self.local_rotary(view.positions, x.dtype))
         normed = self.layers[0].input_layernorm(x)
+        step = self.one_step(normed)
+        if step is not None and (fused := view.fused_step(len(step.plans))) is not None:
+            return step.run(x, normed, *tables[0], fused)
         layers = list(self.layers)  # (a slice of the ModuleList would build a new ModuleList every step)
         norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
-        if (step := self.one_step(layers, norms, normed)) is not None:
-            kvs = [view.fused_kv(i) for i in range(len(layers))]
-            if all(kv is not None for kv in kvs):
-                return step.run(x, normed, *tables[0], kvs)
         for i, (layer, next_norm) in enumerate(zip(layers, norms)):
             cos, sin = tables[1 if layer.local_rotary else 0]
             normed = layer.forward(x, normed, cos, sin, view, i, next_norm)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.config import ConfigError, EngineConfig
-from engine.kv.base import KVCacheFull
+from engine.kv.base import KVCacheFull, StepView
 from engine.kv.chunks import ChunkLayout
 from engine.kv.paged import PagedCache
 from engine.kv.paged_quant import PagedInt8Cache
@@ -109,6 +109,36 @@ def test_growth_moves_no_block_a_sequence_holds(tiny_engine_factory, strategy):
     alone = tiny_engine_factory(strategy, BS, max_context=1024)
     feed(alone, 1, distinct(1, 40))
     torch.testing.assert_close(feed(engine, 1, [7]), feed(alone, 1, [7]), atol=1e-5, rtol=1e-5)
+
+
+def same_step(a: tuple, b: tuple) -> bool:
+    """Two flattened steps name the same tensors (by identity) and the same numbers, in the same order."""
+    return all(len(x) == len(y) and all(p is q if isinstance(p, torch.Tensor) else p == q for p, q in zip(x, y))
+               for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8", "int4"])
+def test_a_step_flattened_from_the_pools_layer_groups_names_what_each_layers_fused_kv_names(tiny_engine_factory,
+                                                                                            kv_dtype):
+    engine = tiny_engine_factory("paged", BS, max_context=1024, kv_dtype=kv_dtype)
+    cache, layers = engine.cache, engine.model_config.num_layers
+
+    def check(seq_ids: list[int]) -> None:
+        view = cache.begin_step(seq_ids, [[7]] * len(seq_ids))
+        assert same_step(view.fused_step(layers), StepView.fused_step(view, layers))
+        cache.commit_step(view)
+
+    feed(engine, 1, distinct(1, 40))
+    check([1])
+    short = range(10, 16)
+    for seq_id in short:  # one partly filled block each: the pool grows by two chunks, the groups are made again
+        feed(engine, seq_id, distinct(seq_id, 10))
+    assert cache.layout.sizes == [4, 4, 8]
+    check([1, *short])
+    for seq_id in short:  # and again when the chunks go back
+        cache.release(seq_id)
+    assert cache.layout.sizes == [4]
+    check([1])
 
 
 @pytest.mark.parametrize("strategy", PAGED)

@@ -42,6 +42,9 @@ class KVStats:
     precision: str = ""  # what keys and values are stored as: float32, bfloat16, float16, int8, int4
 
 FusedKV = tuple[list[torch.Tensor], list[int], list[torch.Tensor], list[int]]  # stores, their groups, where, ints
+# every layer's FusedKV flattened, as the kernels' decoder_layers takes them: kv, kv_parts, where, ints, and per
+# layer the four counts (its kv tensors, kv parts, where tensors and ints)
+FusedStep = tuple[list[torch.Tensor], list[int], list[torch.Tensor], list[int], list[int]]
 
 BLOCK_FREE, BLOCK_OWN, BLOCK_OTHER, BLOCK_CACHED = 0, 1, 2, 3
 
@@ -69,6 +72,21 @@ class StepView(ABC):
         """What the one-call layer (the kernels' decoder_layer) needs to write and attend at this layer, or None
         where this layout attends only through attend() (then the layer runs op by op)."""
         return None
+
+    def fused_step(self, num_layers: int) -> FusedStep | None:
+        """Every layer's fused_kv flattened for the one-call step (the kernels' decoder_layers), or None where a
+        layer has none."""
+        kv, kv_parts, where, ints, counts = [], [], [], [], []
+        for layer in range(num_layers):
+            if (fused := self.fused_kv(layer)) is None:
+                return None
+            stores, groups, at, numbers = fused
+            kv += stores
+            kv_parts += groups
+            where += at
+            ints += numbers
+            counts += (len(stores), len(groups), len(at), len(numbers))
+        return kv, kv_parts, where, ints, counts
 
     def store_layer(self, layer: int) -> int | None:
         """The layer's index in the cache's own stores (which hold no sliding layer), or None for a sliding layer:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import ConfigError
-from engine.kv.attention import KeyMap, attend, write
+from engine.kv.attention import FLOAT_STORES, KeyMap, attend, write
 from engine.kv.base import (
     BLOCK_CACHED,
     BLOCK_FREE,
@@ -81,6 +81,28 @@ class PagedView(StepView):
             return None
         return self.keys.fused_kv(self.cache.layer_stores(0, at), self.cache.layer_stores(1, at))
 
+    def fused_step(self, num_layers):
+        """As StepView's, from the pool's per-layer groups where every layer is the pool's own (no sliding layer)."""
+        if self.window is not None or num_layers != len(self.cache.layer_groups) or \
+                self.cache.dtype not in FLOAT_STORES:
+            return super().fused_step(num_layers)
+        return self.cached_step(num_layers, self.keys.fused_where, [self.cache.block_size])
+
+    def cached_step(self, num_layers: int, where: list[torch.Tensor], ints: list[int], windows: list = ()):
+        """The flattened step from the pool's per-layer groups (made once per pool change): each layer's groups,
+        then for a quantized pool each sequence's key windows and value windows at that layer (windows: per
+        sequence, its (keys, values) per layer); where and ints the same for every layer."""
+        groups, kinds = self.cache.layer_groups, len(self.cache.stores_by_layer)
+        parts = [len(self.cache.layers)] * kinds
+        if windows:
+            kv = [t for layer in range(num_layers)
+                  for t in (*groups[layer], *(w[layer][0] for w in windows), *(w[layer][1] for w in windows))]
+            parts += [len(windows)] * 2
+        else:
+            kv = [t for layer in range(num_layers) for t in groups[layer]]
+        count = [len(kv) // num_layers, len(parts), len(where), len(ints)]
+        return kv, parts * num_layers, where * num_layers, ints * num_layers, count * num_layers
+
 
 @dataclass
 class ReadPlan:
@@ -134,6 +156,7 @@ class PagedCache(KVCache):
         self.chunks: list[list[torch.Tensor]] = []  # per chunk: its storage tensors, see _chunk_tensors
         self.layers: list[list[tuple[torch.Tensor, ...]]] = []  # per chunk and storage tensor: its per-layer views
         self.stores_by_layer: list[list[list[torch.Tensor]]] = []  # per storage tensor and layer: every chunk's view
+        self.layer_groups: list[list[torch.Tensor]] = []  # per layer: stores_by_layer's groups, one after another
 
     def _max_blocks(self, pool_tokens: int | None, budget_bytes: int | None) -> int:
         """The budget in blocks: pool_tokens and budget_bytes where given, else one context's worth."""
@@ -199,6 +222,8 @@ class PagedCache(KVCache):
         kinds = range(len(self.layers[0])) if self.layers else ()
         self.stores_by_layer = [[[chunk[which][layer] for chunk in self.layers]
                                  for layer in range(len(self.layers[0][which]))] for which in kinds]
+        self.layer_groups = [[t for by_layer in self.stores_by_layer for t in by_layer[layer]]
+                             for layer in range(len(self.stores_by_layer[0]) if self.layers else 0)]
 
     # ---- where the tokens are
     def read_plan(self, table: list[int], length: int, masked: bool = False) -> ReadPlan:

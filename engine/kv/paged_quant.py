@@ -19,6 +19,7 @@ import torch
 from engine import kernels
 from engine.kv import quant
 from engine.kv.attention import KeyMap, attend
+from engine.kv.base import StepView
 from engine.kv.paged import PagedCache, PagedView, Sequence
 from engine.kv.precision import bytes_per_token
 from engine.kv.quantized import RESIDUAL, SINK, QuantState, locator
@@ -58,6 +59,16 @@ class QuantView(PagedView):
             self._fused_where = self.cache.state.fused_where(self.keys, self.upto)
         stores = [self.cache.layer_stores(i, at) for i in range(4)]
         return self.cache.state.fused_kv(stores, self.seq_ids, at, self._fused_where)
+
+    def fused_step(self, num_layers):
+        """As fused_kv for every layer, from the pool's per-layer groups and each sequence's windows."""
+        if self.window is not None or num_layers != len(self.cache.layer_groups):
+            return StepView.fused_step(self, num_layers)
+        state = self.cache.state
+        if self._fused_where is None:
+            self._fused_where = state.fused_where(self.keys, self.upto)
+        return self.cached_step(num_layers, self._fused_where, state.fused_ints(),
+                                [state.seqs[s].layers for s in self.seq_ids])
 
 
 class PagedQuantCache(PagedCache):

@@ -122,8 +122,10 @@ class QuantState:
         windows = [self.seqs[s].layers[layer] for s in seq_ids]
         k_windows, v_windows = [k for k, _ in windows], [v for _, v in windows]
         return ([*stores[0], *stores[1], *stores[2], *stores[3], *k_windows, *v_windows],
-                [*map(len, stores), len(windows), len(windows)], where,
-                [self.block_size, self.residual, self.sink, self.codec.bits])
+                [*map(len, stores), len(windows), len(windows)], where, self.fused_ints())
+
+    def fused_ints(self) -> list[int]:
+        return [self.block_size, self.residual, self.sink, self.codec.bits]
 
     @staticmethod
     def fused_where(keys: KeyMap, upto: torch.Tensor) -> list[torch.Tensor]:
