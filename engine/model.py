@@ -103,7 +103,10 @@ class Rotary(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [B, T] -> cos, sin: [B, 1, T, D]
-        return self.cos[positions].to(dtype)[:, None], self.sin[positions].to(dtype)[:, None]
+        cos, sin = self.cos[positions], self.sin[positions]
+        if cos.dtype != dtype:
+            cos, sin = cos.to(dtype), sin.to(dtype)
+        return cos[:, None], sin[:, None]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -401,7 +404,7 @@ class LlamaModel(nn.Module):
         elif not all_logits:
             last = torch.tensor(view.n_new, device=normed.device) - 1
             normed = normed[torch.arange(normed.shape[0], device=normed.device), last]  # [B, H]
-        logits = self.lm_head(normed).float()
+        logits = self.lm_head.forward(normed).float()  # children through forward, as DecoderLayer's
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
@@ -409,13 +412,13 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def hidden_states(self, input_ids: torch.Tensor, view: StepView) -> torch.Tensor:
         """input_ids: [B, T] -> the last layer's output through the final norm, [B, T, H] (the head's input)."""
-        x = self.embed_tokens(input_ids).contiguous()  # [B, T, H], the residual stream
+        x = self.embed_tokens.forward(input_ids).contiguous()  # [B, T, H], the residual stream
         if self.embedding_scale is not None:
             x = x * torch.tensor(self.embedding_scale, dtype=x.dtype)  # Gemma: rounded to the activations' dtype
-        tables = [self.rotary(view.positions, x.dtype)]  # cos, sin: [B, 1, T, D]
+        tables = [self.rotary.forward(view.positions, x.dtype)]  # cos, sin: [B, 1, T, D]
         if self.local_rotary is not None:
-            tables.append(self.local_rotary(view.positions, x.dtype))
-        normed = self.layers[0].input_layernorm(x)
+            tables.append(self.local_rotary.forward(view.positions, x.dtype))
+        normed = self.layers[0].input_layernorm.forward(x)
         step = self.one_step(normed)
         if step is not None and (fused := view.fused_step(len(step.plans))) is not None:
             return step.run(x, normed, *tables[0], fused)
