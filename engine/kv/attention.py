@@ -45,11 +45,15 @@ class LayerAttention:
 PLAIN = LayerAttention()
 
 
-def query_positions(past: list[int], n_new: list[int], device: torch.device) -> torch.Tensor:
-    """The absolute position of each query row of a step: [B, T] int32, -1 for the padding of a shorter row."""
+def query_position_lists(past: list[int], n_new: list[int]) -> list[list[int]]:
+    """The absolute position of each query row of a step, per sequence, -1 for the padding of a shorter row."""
     t = max(n_new)
-    return torch.tensor([[p + j if j < n else -1 for j in range(t)] for p, n in zip(past, n_new)],
-                        dtype=torch.int32, device=device)
+    return [[p + j if j < n else -1 for j in range(t)] for p, n in zip(past, n_new)]
+
+
+def query_positions(past: list[int], n_new: list[int], device: torch.device) -> torch.Tensor:
+    """query_position_lists as a tensor: [B, T] int32."""
+    return torch.tensor(query_position_lists(past, n_new), dtype=torch.int32, device=device)
 
 
 @dataclass
@@ -79,10 +83,9 @@ class KeyMap:
         tables. Built from Python lists, one tensor each: a decode step's few ints cost more as tensor ops."""
         stores, starts = block_lists or (block_store.tolist(), block_start.tolist())
         t, width = max(n_new), max(1, max(len(blocks) for blocks in tables))
-        q_pos, store_of, slot_of = [], [], []
+        q_pos, store_of, slot_of = query_position_lists(past, n_new), [], []
         for blocks, p, n in zip(tables, past, n_new):
             new = [blocks[(p + j) // block_size] for j in range(n)]  # the block each new token falls in
-            q_pos.append([p + j for j in range(n)] + [-1] * (t - n))
             store_of.append([stores[b] for b in new] + [-1] * (t - n))
             slot_of.append([starts[b] + (p + j) % block_size for j, b in enumerate(new)] + [0] * (t - n))
         table = [blocks + [0] * (width - len(blocks)) for blocks in tables]

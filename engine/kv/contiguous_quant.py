@@ -50,12 +50,12 @@ class ContiguousQuantView(StepView):
         groups = [buf.capacity // g for buf in self.buffers]
         firsts = [sum(groups[:i]) for i in range(len(groups))]
         tables = [list(range(f, f + n)) for f, n in zip(firsts, groups)]
-        stores = torch.tensor([i for i, n in enumerate(groups) for _ in range(n)], dtype=torch.int32)
-        starts = torch.tensor([j * g for n in groups for j in range(n)], dtype=torch.int32)
-        self.keys = KeyMap.build(tables, stores.to(cache.device), starts.to(cache.device), g, past, n_new,
-                                 cache.device)
+        stores = [i for i, n in enumerate(groups) for _ in range(n)]
+        starts = [j * g for n in groups for j in range(n)]
+        self.keys = KeyMap.build(tables, *(torch.tensor(m, dtype=torch.int32, device=cache.device)
+                                           for m in (stores, starts)), g, past, n_new, cache.device, (stores, starts))
         self.upto = cache.state.upto_tensor(seq_ids)
-        self._fused_where: list[torch.Tensor] | None = None  # made on the first layer's fused_kv
+        self.fused_where = self.cache.state.fused_where(self.keys, self.upto)  # every layer's, in one call
         self.window = cache.windows.step(seq_ids, past, n_new) if cache.windows else None
 
     def attend(self, layer, q, k, v, spec=None):
@@ -81,10 +81,8 @@ class ContiguousQuantView(StepView):
     def fused_kv(self, layer):
         if (at := self.store_layer(layer)) is None:
             return None
-        if self._fused_where is None:
-            self._fused_where = self.cache.state.fused_where(self.keys, self.upto)
         stores = [[buf.layers[t][at] for buf in self.buffers] for t in range(4)]
-        return self.cache.state.fused_kv(stores, self.seq_ids, at, self._fused_where)
+        return self.cache.state.fused_kv(stores, self.seq_ids, at, self.fused_where)
 
 
 class ContiguousQuantCache(ContiguousCache):

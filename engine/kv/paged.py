@@ -114,20 +114,19 @@ class ReadPlan:
 
 
 @functools.lru_cache(maxsize=16)
-def block_map(chunk_sizes: tuple[int, ...], block_size: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+def block_map_lists(chunk_sizes: tuple[int, ...], block_size: int) -> tuple[list[int], list[int]]:
     """A pool's block map, a function of its chunk sizes alone (made once per pool shape, not per step):
-    chunk of each block id and the slot of the block's first token in that chunk, int32 [num_blocks] each."""
+    chunk of each block id and the slot of the block's first token in that chunk, as lists (what a step's KeyMap
+    reads)."""
     chunks = [c for c, n in enumerate(chunk_sizes) for _ in range(n)]
     slots = [i * block_size for n in chunk_sizes for i in range(n)]
-    return (torch.tensor(chunks, dtype=torch.int32, device=device),
-            torch.tensor(slots, dtype=torch.int32, device=device))
+    return chunks, slots
 
 
 @functools.lru_cache(maxsize=16)
-def block_map_lists(chunk_sizes: tuple[int, ...], block_size: int) -> tuple[list[int], list[int]]:
-    """block_map's two maps as Python lists (what a step's KeyMap reads)."""
-    chunks, slots = block_map(chunk_sizes, block_size, "cpu")
-    return chunks.tolist(), slots.tolist()
+def block_map(chunk_sizes: tuple[int, ...], block_size: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """block_map_lists as int32 tensors [num_blocks] each (what the kernels read)."""
+    return tuple(torch.tensor(m, dtype=torch.int32, device=device) for m in block_map_lists(chunk_sizes, block_size))
 
 
 def take(store: torch.Tensor, index: torch.Tensor | slice) -> torch.Tensor:

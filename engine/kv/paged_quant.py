@@ -31,7 +31,7 @@ class QuantView(PagedView):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.upto = self.cache.state.upto_tensor(self.seq_ids)  # before this step's writes
-        self._fused_where: list[torch.Tensor] | None = None  # made on the first layer's fused_kv
+        self.fused_where = self.cache.state.fused_where(self.keys, self.upto)  # every layer's, in one call
         self._locators = None
 
     def attend(self, layer, q, k, v, spec=None):
@@ -55,19 +55,15 @@ class QuantView(PagedView):
     def fused_kv(self, layer):
         if (at := self.store_layer(layer)) is None:
             return None
-        if self._fused_where is None:
-            self._fused_where = self.cache.state.fused_where(self.keys, self.upto)
         stores = [self.cache.layer_stores(i, at) for i in range(4)]
-        return self.cache.state.fused_kv(stores, self.seq_ids, at, self._fused_where)
+        return self.cache.state.fused_kv(stores, self.seq_ids, at, self.fused_where)
 
     def fused_step(self, num_layers):
         """As fused_kv for every layer, from the pool's per-layer groups and each sequence's windows."""
         if self.window is not None or num_layers != len(self.cache.layer_groups):
             return StepView.fused_step(self, num_layers)
         state = self.cache.state
-        if self._fused_where is None:
-            self._fused_where = state.fused_where(self.keys, self.upto)
-        return self.cached_step(num_layers, self._fused_where, state.fused_ints(),
+        return self.cached_step(num_layers, self.fused_where, state.fused_ints(),
                                 [state.seqs[s].layers for s in self.seq_ids])
 
 

@@ -119,10 +119,9 @@ class QuantState:
                  where: list[torch.Tensor]):
         """attend_compiled's arguments as the one-call layer takes them (engine.kv.base.FusedKV); where: the step's
         fused_where (the same list for every layer)."""
-        windows = [self.seqs[s].layers[layer] for s in seq_ids]
-        k_windows, v_windows = [k for k, _ in windows], [v for _, v in windows]
+        k_windows, v_windows = self.windows(seq_ids, layer)
         return ([*stores[0], *stores[1], *stores[2], *stores[3], *k_windows, *v_windows],
-                [*map(len, stores), len(windows), len(windows)], where, self.fused_ints())
+                [*map(len, stores), len(k_windows), len(v_windows)], where, self.fused_ints())
 
     def fused_ints(self) -> list[int]:
         return [self.block_size, self.residual, self.sink, self.codec.bits]
