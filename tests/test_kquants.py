@@ -66,8 +66,8 @@ def test_a_kept_q4_k_projection_differs_by_at_most_its_scales_float16_rounding()
     put_f16(blocks, 2, rng.uniform(1e-3, 2e-2, size=(N, K // 256)))
     module = build_linear(_q4_k(blocks))
     expected = gguf_values(blocks, T.Q4_K)
-    scales = module.scales.float().repeat_interleave(32, dim=1)  # [N, K], float16 as the module keeps them
-    bound = F16_HALF_ULP * (15 * scales.abs() + module.minimums.float().abs().repeat_interleave(32, dim=1))
+    scales = module.quantized().scales.float().repeat_interleave(32, dim=1)  # [N, K], float16 as the module keeps them
+    bound = F16_HALF_ULP * (15 * scales.abs() + module.quantized().minimums.float().abs().repeat_interleave(32, dim=1))
     diff = (module.dense(torch.float32) - expected).abs()
     assert (diff <= bound + 1e-7).all()
     assert diff.max() > 0  # the rounding is real: the bound, not luck, is what holds
@@ -76,7 +76,7 @@ def test_a_kept_q4_k_projection_differs_by_at_most_its_scales_float16_rounding()
 def test_a_kept_q4_k_projection_stays_within_115_percent_of_the_file():
     blocks = random_super_blocks(T.Q4_K)
     module = build_linear(_q4_k(blocks))
-    held = module.plain_codes if module.plain_codes is not None else module.packed
+    held = module.kernel_codes if module.kernel_codes is not None else module.packed
     resident = held.nbytes + module.scales.nbytes + module.minimums.nbytes
     assert resident <= 1.15 * blocks.nbytes  # 160 bytes for the file's 144 per 256 values
 

@@ -20,7 +20,15 @@ from engine.model import LlamaModel
 from engine.weights.convert import to_format
 from engine.weights.formats import QuantizedWeight, quantize_int4, quantize_int8
 from engine.weights.gguf_blocks import quantize_int8_groups, unpermute_rows
-from engine.weights.linear import DECODE_ROWS, Int4Linear, Int8Linear, build_linear
+from engine.weights.linear import (
+    DECODE_ROWS,
+    Int4Linear,
+    Int8Linear,
+    build_linear,
+    dequantize_rows16,
+    from_rows16,
+    to_rows16,
+)
 from tests.gguf_files import gguf_name, write_tiny_gguf
 
 
@@ -138,10 +146,61 @@ def test_int4_reads_its_codes_back_from_the_kernel_layout_without_a_second_copy(
     q = quantize_int4(w)
     module = Int4Linear(q)
     assert torch.equal(module.codes(), q.unpacked_codes())
-    if module.packed is not None and module.plain_codes is None:
+    if module.packed is not None and module.kernel_codes is None:
         groups = q.scales.numel()
         # packed codes + float16 scales and minimums + the kernel's bfloat16 (scale, zero) pairs
         assert module.resident_bytes == q.codes.nbytes + 4 * groups + 4 * groups
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_the_16_row_layout_holds_the_same_weight_and_dequantizes_to_the_same_values(group):
+    q = quantize_int4(torch.randn(48, 192), group).with_float16_scales()
+    codes, scales, minimums = to_rows16(q)
+    assert codes.shape == (3, 6, 256) and scales.shape == minimums.shape == (3, 192 // group, 16)
+    back = from_rows16(codes, scales, minimums)
+    assert all(torch.equal(a, b) for a, b in [(back.codes, q.codes), (back.scales, q.scales),
+                                              (back.minimums, q.minimums)])
+    assert torch.equal(dequantize_rows16(codes, scales, minimums, torch.float32), q.dequantize())
+
+
+def rows16_kernel():
+    ops = kernels.ops()
+    if ops is None or ops.int4_row_block() != 16:
+        pytest.skip("the 16-row int4 kernel is built only for AVX-512 VNNI")
+    return ops
+
+
+@pytest.mark.parametrize("group", [32, 64])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 16])
+def test_the_16_row_int4_kernel_computes_what_the_row_at_a_time_kernel_does(group, rows):
+    ops = rows16_kernel()
+    g = torch.Generator().manual_seed(rows)
+    q = quantize_int4(torch.randn(96, 320, generator=g) * 0.05, group).with_float16_scales()
+    x = torch.randn(rows, 320, generator=g)
+    got = ops.int4_linear(x, *to_rows16(q))
+    plain = ops.int4_linear(x, q.codes, q.scales, q.minimums)
+    exact = x.double() @ q.dequantize(torch.float64).T
+    # the same integers, other float steps: both within the int16 activations' error of the exact product
+    torch.testing.assert_close(got, plain, atol=1e-5 * float(exact.abs().max()), rtol=0)
+    torch.testing.assert_close(got.double(), exact, atol=1e-4 * float(exact.abs().max()), rtol=0)
+    for i in range(rows):  # a row's result does not depend on the rows beside it
+        assert torch.equal(ops.int4_linear(x[i:i + 1].contiguous(), *to_rows16(q))[0], got[i])
+
+
+def test_a_projection_whose_rows_do_not_fill_16_keeps_the_row_at_a_time_layout():
+    rows16_kernel()
+    w = torch.randn(40, 64) * 0.1
+    module, whole = Int4Linear(quantize_int4(w)), Int4Linear(quantize_int4(torch.cat([w, w[:8]])))
+    assert not module.rows16 and module.kernel_codes.shape == (40, 32) and whole.rows16
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(module(x), whole(x)[:, :40], atol=1e-5, rtol=0)
+
+
+def test_the_16_row_kernel_refuses_tensors_of_another_shape_by_what_it_expects():
+    ops = rows16_kernel()
+    codes, scales, minimums = to_rows16(quantize_int4(torch.randn(32, 64)).with_float16_scales())
+    with pytest.raises(RuntimeError, match="16-row layout"):
+        ops.int4_linear(torch.randn(1, 64), codes, scales[:, :, :8].contiguous(), minimums)
 
 
 def test_quantization_rounds_to_the_nearest_step():

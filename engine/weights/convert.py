@@ -86,7 +86,7 @@ def module_weight(module: WeightLinear) -> Weight:
     if isinstance(module, Int8Linear):
         return module.quantized()
     assert isinstance(module, Int4Linear)
-    return QuantizedWeight.from_codes(module.codes(), module.scales, module.minimums)
+    return module.quantized()
 
 
 def apply_format(model: nn.Module, fmt: str) -> None:

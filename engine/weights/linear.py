@@ -223,10 +223,10 @@ def regrouped_for_kernel(q: QuantizedWeight) -> QuantizedWeight:
 
 
 class Int4Linear(WeightLinear):
-    """Asymmetric int4 in groups along K (w = code * scale + minimum), packed for torch's CPU int4 kernel.
-
-    Prefill dequantizes from the kernel's own packed layout when that layout is the one we know how to read
-    (checked against the codes at load); otherwise the plain codes are kept beside it.
+    """Asymmetric int4 in groups along K (w = code * scale + minimum), held in the layout its decode kernel reads:
+    kvscope's 16-row layout (`rows16`) where its AVX-512 kernel is built, else the codes as GGUF packs them
+    ([N, K/2]), else torch's CPU int4 packing (prefill reads that packing back when we know its layout, checked
+    against the codes at load; otherwise the codes are kept beside it).
     """
 
     format_name = "int4"
@@ -235,15 +235,19 @@ class Int4Linear(WeightLinear):
         super().__init__(*q.shape)
         q = q.with_float16_scales()
         self.group_size = q.group_size
-        self.register_buffer("scales", q.scales)  # [N, G] float16
-        self.register_buffer("minimums", q.minimums)  # [N, G] float16
-        self.register_buffer("plain_codes", q.codes)  # [N, K/2] uint8, dropped when the packed layout reads back
+        self.compiled = compiled_ops(q.codes) if self.in_features % 32 == 0 else None
+        self.rows16 = self.compiled is not None and self.out_features % ROW_BLOCK == 0 \
+            and self.compiled.int4_row_block() == ROW_BLOCK
+        codes, scales, minimums = to_rows16(q) if self.rows16 else (q.codes, q.scales, q.minimums)
+        self.register_buffer("scales", scales)  # [N, G] float16 ([N/16, G, 16] in rows16)
+        self.register_buffer("minimums", minimums)  # the same
+        self.register_buffer("kernel_codes", codes)  # [N, K/2] uint8 ([N/16, K/32, 256] in rows16), or None
         self.register_buffer("packed", None)
         self.register_buffer("scale_zero", None)
         self.kernel_name = "dequantize + torch.mm"
-        self.compiled = compiled_ops(q.codes) if self.in_features % 32 == 0 else None
         if self.compiled is not None:
-            self.kernel_name = "kvscope.int4_linear (int16 activations, one scale a row)"
+            layout = "16 rows a register" if self.rows16 else "a row at a time"
+            self.kernel_name = f"kvscope.int4_linear (int16 activations, one scale a row; {layout})"
         elif q.codes.device.type == "cpu":
             self._pack_for_cpu_kernel(q)
 
@@ -261,14 +265,14 @@ class Int4Linear(WeightLinear):
         self.scale_zero = torch.stack([q.scales.float(), zero], -1).transpose(0, 1).to(torch.bfloat16).contiguous()
         self.kernel_name = "aten._weight_int4pack_mm_for_cpu (bfloat16 activations)"
         if torch.equal(unpack_cpu_int4pack(packed, *self.shape), codes):
-            self.plain_codes = None  # prefill reads the kernel's layout: no second copy
+            self.kernel_codes = None  # prefill reads the kernel's layout: no second copy
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.out_features, self.in_features
 
     def kernel_tensors(self):
-        return self.plain_codes, self.scales, self.minimums
+        return self.kernel_codes, self.scales, self.minimums
 
     def compiled_decode(self, x):
         return self.compiled.int4_linear(x, *self.kernel_args())
@@ -281,30 +285,81 @@ class Int4Linear(WeightLinear):
         xb = x.to(torch.bfloat16)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, self.group_size, self.scale_zero).float()
 
+    def quantized(self) -> QuantizedWeight:
+        """The weight in the loaders' form (codes [N, K/2] packed as GGUF packs them, scales [N, G])."""
+        if self.kernel_codes is None:
+            return QuantizedWeight.from_codes(unpack_cpu_int4pack(self.packed, *self.shape), self.scales,
+                                              self.minimums)
+        if self.rows16:
+            return from_rows16(self.kernel_codes, self.scales, self.minimums)
+        return QuantizedWeight(4, self.kernel_codes, self.scales, self.minimums)
+
     def codes(self) -> torch.Tensor:
         """-> [N, K] uint8 codes."""
-        if self.plain_codes is None:
+        if self.kernel_codes is None:
             return unpack_cpu_int4pack(self.packed, *self.shape)
-        return self.quantized_from(self.plain_codes).unpacked_codes()
+        return self.quantized().unpacked_codes()
 
-    def quantized_from(self, plain: torch.Tensor) -> QuantizedWeight:
-        return QuantizedWeight(4, plain, self.scales, self.minimums)
-
-    def dense(self, dtype):
-        n, k = self.shape
-        g = self.group_size
-        codes = self.codes().to(dtype).view(n, k // g, g)
-        return (codes * self.scales.to(dtype)[..., None] + self.minimums.to(dtype)[..., None]).view(n, k)
+    def dense(self, dtype, out=None):
+        if self.rows16:
+            return dequantize_rows16(self.kernel_codes, self.scales, self.minimums, dtype, out)
+        return self.quantized().dequantize(dtype, out)
 
     def transient_dense(self, dtype):
         n, k = self.shape
-        if self.plain_codes is None or not reusable(n * k, dtype, self.plain_codes.device):
+        if self.kernel_codes is None or not reusable(n * k, dtype, self.kernel_codes.device):
             return self.dense(dtype)
-        return self.quantized_from(self.plain_codes).dequantize(dtype, out=scratch(n * k, dtype,
-                                                                                    self.plain_codes.device))
+        return self.dense(dtype, out=scratch(n * k, dtype, self.kernel_codes.device))
 
     def rows(self, index, dtype):
         return self.dense(dtype)[index]
+
+
+ROW_BLOCK = 16  # weight rows the 16-row layout interleaves (the kernels' int4_row_block())
+
+
+def to_rows16(q: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int4 weights in kvscope's 16-row decode layout (cpu_kernels.cpp, int4_groups16): codes [N/16, K/32, 256]
+    uint8, byte 32j + 2r + e of a block = code 2j + e of row r (low nibble) | code 2j + 16 + e (high); scales
+    and minimums [N/16, G, 16] float16."""
+    n, k = q.shape
+    groups = q.scales.shape[1]
+    codes = q.unpacked_codes().view(n // ROW_BLOCK, ROW_BLOCK, k // 32, 2, 8, 2)  # [N/16, r, block, half, j, e]
+    codes = codes.permute(0, 2, 4, 1, 5, 3)  # [N/16, block, j, r, e, half]
+    packed = (codes[..., 0] | (codes[..., 1] << 4)).reshape(n // ROW_BLOCK, k // 32, 256)
+    return (packed.contiguous(), *(t.view(n // ROW_BLOCK, ROW_BLOCK, groups).transpose(1, 2).contiguous()
+                                   for t in (q.scales, q.minimums)))
+
+
+def from_rows16(codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor) -> QuantizedWeight:
+    """to_rows16 undone: the same weight as a QuantizedWeight."""
+    plain, scales, minimums = rows16_parts(codes, scales, minimums)
+    return QuantizedWeight.from_codes(plain.reshape(scales.shape[0], -1), scales, minimums)
+
+
+def rows16_parts(codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor):
+    """The 16-row layout as plain parts: codes [N/16, 16, K/32, 2, 8, 2] (a strided view: [N, K] once reshaped),
+    scales and minimums [N, G]."""
+    row_groups, blocks, _ = codes.shape
+    n, groups = row_groups * ROW_BLOCK, scales.shape[1]
+    both = torch.stack([codes & 15, codes >> 4], -1).view(row_groups, blocks, 8, ROW_BLOCK, 2, 2)
+    plain = both.permute(0, 3, 1, 5, 2, 4)  # [N/16, block, j, r, e, half] -> [N/16, r, block, half, j, e]
+    return plain, *(t.transpose(1, 2).reshape(n, groups) for t in (scales, minimums))
+
+
+def dequantize_rows16(codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor, dtype: torch.dtype,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """QuantizedWeight.dequantize of the 16-row layout, the same operations (so the same values), the codes
+    written once from their permuted view. -> [N, K]"""
+    plain, scales, minimums = rows16_parts(codes, scales, minimums)
+    n, groups = scales.shape
+    k = plain[0].numel() // ROW_BLOCK
+    w = torch.empty(n * k, dtype=dtype, device=codes.device) if out is None else out
+    w.view(plain.shape).copy_(plain)
+    w = w.view(n, groups, k // groups)
+    w.mul_(scales.to(dtype)[..., None])
+    w.add_(minimums.to(dtype)[..., None])
+    return w.view(n, k)
 
 
 def unpack_cpu_int4pack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
