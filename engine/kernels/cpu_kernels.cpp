@@ -686,8 +686,9 @@ __attribute__((noinline)) void int4_groups16(const uint8_t* c, const uint16_t* s
 at::Tensor int4_linear16(const at::Tensor& input, const at::Tensor& codes, const at::Tensor& scales,
                          const at::Tensor& minimums) {
   TORCH_CHECK(codes.size(2) == ROW_BLOCK_BYTES && scales.dim() == 3 && scales.size(2) == ROW_BLOCK &&
-                  minimums.sizes() == scales.sizes() && scales.size(0) == codes.size(0),
-              "int4 16-row layout: codes [N/16, K/32, 256], scales and minimums [N/16, G, 16]");
+                  minimums.sizes() == scales.sizes() && scales.size(0) == codes.size(0) && codes.is_contiguous() &&
+                  scales.is_contiguous() && minimums.is_contiguous(),
+              "int4 16-row layout: codes [N/16, K/32, 256], scales and minimums [N/16, G, 16], contiguous");
   int64_t row_groups = codes.size(0), nb = codes.size(1), k = nb * QK, n = row_groups * ROW_BLOCK;
   auto [x, out_sizes] = as_rows(input, k, n);
   int64_t m = x.size(0), groups = scales.size(1), g = k / groups;

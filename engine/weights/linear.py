@@ -353,7 +353,7 @@ def dequantize_rows16(codes: torch.Tensor, scales: torch.Tensor, minimums: torch
     written once from their permuted view. -> [N, K]"""
     plain, scales, minimums = rows16_parts(codes, scales, minimums)
     n, groups = scales.shape
-    k = plain[0].numel() // ROW_BLOCK
+    k = codes.shape[1] * 32
     w = torch.empty(n * k, dtype=dtype, device=codes.device) if out is None else out
     w.view(plain.shape).copy_(plain)
     w = w.view(n, groups, k // groups)
