@@ -25,8 +25,8 @@ from engine.weights.linear import (
     Int4Linear,
     Int8Linear,
     build_linear,
-    dequantize_rows16,
-    from_rows16,
+    dequantize_codes,
+    rows16_parts,
     to_rows16,
 )
 from tests.gguf_files import gguf_name, write_tiny_gguf
@@ -157,10 +157,10 @@ def test_the_16_row_layout_holds_the_same_weight_and_dequantizes_to_the_same_val
     q = quantize_int4(torch.randn(48, 192), group).with_float16_scales()
     codes, scales, minimums = to_rows16(q)
     assert codes.shape == (3, 6, 256) and scales.shape == minimums.shape == (3, 192 // group, 16)
-    back = from_rows16(codes, scales, minimums)
-    assert all(torch.equal(a, b) for a, b in [(back.codes, q.codes), (back.scales, q.scales),
-                                              (back.minimums, q.minimums)])
-    assert torch.equal(dequantize_rows16(codes, scales, minimums, torch.float32), q.dequantize())
+    plain, back_scales, back_minimums = rows16_parts(codes, scales, minimums)
+    assert all(torch.equal(a, b) for a, b in [(plain.reshape(48, 192), q.unpacked_codes()),
+                                              (back_scales, q.scales), (back_minimums, q.minimums)])
+    assert torch.equal(dequantize_codes(*rows16_parts(codes, scales, minimums), torch.float32), q.dequantize())
 
 
 def rows16_kernel():

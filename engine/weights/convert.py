@@ -83,9 +83,7 @@ def module_weight(module: WeightLinear) -> Weight:
     """What a projection module holds, as a loader would hand it over."""
     if isinstance(module, FloatLinear):
         return module.weight
-    if isinstance(module, Int8Linear):
-        return module.quantized()
-    assert isinstance(module, Int4Linear)
+    assert isinstance(module, (Int8Linear, Int4Linear))
     return module.quantized()
 
 

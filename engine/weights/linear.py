@@ -287,23 +287,33 @@ class Int4Linear(WeightLinear):
 
     def quantized(self) -> QuantizedWeight:
         """The weight in the loaders' form (codes [N, K/2] packed as GGUF packs them, scales [N, G])."""
-        if self.kernel_codes is None:
-            return QuantizedWeight.from_codes(unpack_cpu_int4pack(self.packed, *self.shape), self.scales,
-                                              self.minimums)
+        if self.in_gguf_order:
+            return QuantizedWeight(4, self.kernel_codes, self.scales, self.minimums)
+        codes, scales, minimums = self._unpacked()
+        return QuantizedWeight.from_codes(codes.reshape(self.shape), scales, minimums)
+
+    @property
+    def in_gguf_order(self) -> bool:
+        """Whether the codes are held as GGUF packs them (not in the 16-row layout or torch's packing)."""
+        return self.kernel_codes is not None and not self.rows16
+
+    def _unpacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where the codes are not in GGUF's order: (codes, one a byte, as [N, K] or a view that reshapes to it;
+        scales and minimums [N, G])."""
         if self.rows16:
-            return from_rows16(self.kernel_codes, self.scales, self.minimums)
-        return QuantizedWeight(4, self.kernel_codes, self.scales, self.minimums)
+            return rows16_parts(self.kernel_codes, self.scales, self.minimums)
+        return unpack_cpu_int4pack(self.packed, *self.shape), self.scales, self.minimums
 
     def codes(self) -> torch.Tensor:
         """-> [N, K] uint8 codes."""
-        if self.kernel_codes is None:
-            return unpack_cpu_int4pack(self.packed, *self.shape)
-        return self.quantized().unpacked_codes()
+        if self.in_gguf_order:
+            return self.quantized().unpacked_codes()
+        return self._unpacked()[0].reshape(self.shape)
 
     def dense(self, dtype, out=None):
-        if self.rows16:
-            return dequantize_rows16(self.kernel_codes, self.scales, self.minimums, dtype, out)
-        return self.quantized().dequantize(dtype, out)
+        if self.in_gguf_order:
+            return self.quantized().dequantize(dtype, out)
+        return dequantize_codes(*self._unpacked(), dtype, out)
 
     def transient_dense(self, dtype):
         n, k = self.shape
@@ -331,14 +341,8 @@ def to_rows16(q: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
                                    for t in (q.scales, q.minimums)))
 
 
-def from_rows16(codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor) -> QuantizedWeight:
-    """to_rows16 undone: the same weight as a QuantizedWeight."""
-    plain, scales, minimums = rows16_parts(codes, scales, minimums)
-    return QuantizedWeight.from_codes(plain.reshape(scales.shape[0], -1), scales, minimums)
-
-
 def rows16_parts(codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor):
-    """The 16-row layout as plain parts: codes [N/16, 16, K/32, 2, 8, 2] (a strided view: [N, K] once reshaped),
+    """to_rows16 undone, as plain parts: codes [N/16, 16, K/32, 2, 8, 2] (a strided view: [N, K] once reshaped),
     scales and minimums [N, G]."""
     row_groups, blocks, _ = codes.shape
     n, groups = row_groups * ROW_BLOCK, scales.shape[1]
@@ -347,15 +351,14 @@ def rows16_parts(codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tens
     return plain, *(t.transpose(1, 2).reshape(n, groups) for t in (scales, minimums))
 
 
-def dequantize_rows16(codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor, dtype: torch.dtype,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """QuantizedWeight.dequantize of the 16-row layout, the same operations (so the same values), the codes
-    written once from their permuted view. -> [N, K]"""
-    plain, scales, minimums = rows16_parts(codes, scales, minimums)
+def dequantize_codes(codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor, dtype: torch.dtype,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """QuantizedWeight.dequantize from unpacked codes (one a byte: [N, K], or a view that reshapes to it, written
+    once from where it lies) and [N, G] scales and minimums: the same operations, so the same values. -> [N, K]"""
     n, groups = scales.shape
-    k = codes.shape[1] * 32
+    k = codes.numel() // n
     w = torch.empty(n * k, dtype=dtype, device=codes.device) if out is None else out
-    w.view(plain.shape).copy_(plain)
+    w.view(codes.shape).copy_(codes)
     w = w.view(n, groups, k // groups)
     w.mul_(scales.to(dtype)[..., None])
     w.add_(minimums.to(dtype)[..., None])
