@@ -317,9 +317,9 @@ class Int4Linear(WeightLinear):
 
     def transient_dense(self, dtype):
         n, k = self.shape
-        if self.kernel_codes is None or not reusable(n * k, dtype, self.kernel_codes.device):
+        if not reusable(n * k, dtype, self.scales.device):
             return self.dense(dtype)
-        return self.dense(dtype, out=scratch(n * k, dtype, self.kernel_codes.device))
+        return self.dense(dtype, out=scratch(n * k, dtype, self.scales.device))
 
     def rows(self, index, dtype):
         return self.dense(dtype)[index]
