@@ -2004,6 +2004,79 @@ inline void query_parts(const float* const* q, int nv, const float* sc, const fl
   }
 }
 
+// 4 registers of int32 (channels 0-15, 16-31, 32-47, 48-63) -> 64 saturated int8 in channel order
+inline __m512i pack_bytes(__m512i a, __m512i b, __m512i c, __m512i d) {
+  // the packs keep 128-bit lanes: lane L holds channels 4L..4L+3 of a, b, c, d (a dword each); dword g of the
+  // result takes channels 4(g % 4).. of register g / 4
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  __m512i words = _mm512_packs_epi32(a, b), more = _mm512_packs_epi32(c, d);
+  return _mm512_permutexvar_epi32(order, _mm512_packs_epi16(words, more));
+}
+
+// query_parts with the block's parameters and each vector's products in registers, D16 (4 or 8) known when
+// compiled: the same operations on the same values (so the same bits), a third of the instructions (x = q * scale
+// computed twice instead of stored and loaded; the int8 parts split as 16-bit lanes; the codes packed, not
+// stored 16 at a time)
+template <int BITS, int D16>
+inline void query_parts_fixed(const float* const* q, int nv, const uint16_t* param, QueryParts* const* out) {
+  static_assert(D16 % 4 == 0, "whole registers of 64 channels");
+  constexpr int64_t d = D16 * 16;
+  __m512 sc[D16], mn[D16];
+  auto bytes = reinterpret_cast<const uint8_t*>(param);
+  auto [s_super, m_super] = BITS == 4 ? int4_supers(param, d) : std::pair<float, float>{0.f, 0.f};
+  for (int j = 0; j < D16; ++j) {
+    if constexpr (BITS == 8) {
+      sc[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(param + 16 * j)));
+    } else {
+      __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16 * j));
+      __m128i m8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + d + 16 * j));
+      sc[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(s8)), _mm512_set1_ps(s_super));
+      mn[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(m8)), _mm512_set1_ps(m_super));
+    }
+  }
+  __m512 amax[4], b[4];
+  for (int v = 0; v < 4; ++v) amax[v] = b[v] = _mm512_setzero_ps();
+  for (int v = 0; v < nv; ++v)
+    for (int j = 0; j < D16; ++j) {
+      __m512 qj = _mm512_loadu_ps(q[v] + 16 * j);
+      amax[v] = _mm512_max_ps(amax[v], _mm512_abs_ps(_mm512_mul_ps(qj, sc[j])));
+      if constexpr (BITS == 4) b[v] = _mm512_fmadd_ps(qj, mn[j], b[v]);
+    }
+  alignas(16) float top[4], bias[4];
+  _mm_store_ps(top, reduce4<true>(amax[0], amax[1], amax[2], amax[3]));
+  _mm_store_ps(bias, reduce4<false>(b[0], b[1], b[2], b[3]));
+  const float grid = QUERY_GRID<BITS>;
+  for (int v = 0; v < nv; ++v) {
+    const __m512 vinv = _mm512_set1_ps(top[v] > 0.f ? grid / top[v] : 0.f);
+    __m512i total = _mm512_setzero_si512();
+    for (int j0 = 0; j0 < D16; j0 += 4) {
+      __m512i xi[4];
+      for (int u = 0; u < 4; ++u) {
+        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(q[v] + 16 * (j0 + u)), sc[j0 + u]);
+        xi[u] = _mm512_cvtps_epi32(_mm512_mul_ps(x, vinv));
+      }
+      if constexpr (BITS == 4) {  // one part: |x| <= 127
+        _mm512_store_si512(out[v]->hi + 16 * j0, pack_bytes(xi[0], xi[1], xi[2], xi[3]));
+        continue;
+      }
+      total = _mm512_add_epi32(total, _mm512_add_epi32(_mm512_add_epi32(xi[0], xi[1]), _mm512_add_epi32(xi[2], xi[3])));
+      // |x| <= 32512: hi = (x + 128) >> 8 in -127..127, lo = x - 256 hi in -128..127, as in query_parts, 32
+      // channels a register (the packs' lane order, undone by pack_bytes' order after the packs to bytes)
+      const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+      __m512i w[2] = {_mm512_packs_epi32(xi[0], xi[1]), _mm512_packs_epi32(xi[2], xi[3])}, hi[2], lo[2];
+      for (int u = 0; u < 2; ++u) {
+        hi[u] = _mm512_srai_epi16(_mm512_add_epi16(w[u], _mm512_set1_epi16(128)), 8);
+        lo[u] = _mm512_sub_epi16(w[u], _mm512_slli_epi16(hi[u], 8));
+      }
+      _mm512_store_si512(out[v]->hi + 16 * j0, _mm512_permutexvar_epi32(order, _mm512_packs_epi16(hi[0], hi[1])));
+      _mm512_store_si512(out[v]->lo + 16 * j0, _mm512_permutexvar_epi32(order, _mm512_packs_epi16(lo[0], lo[1])));
+    }
+    out[v]->dq = top[v] / grid;
+    out[v]->bias = BITS == 4 ? bias[v] : 0.f;
+    out[v]->offset = BITS == 8 ? 128 * _mm512_reduce_add_epi32(total) : 0;
+  }
+}
+
 // rows[0..16) (row bytes `bytes`, a multiple of 16) -> quads[g]: channels 4g..4g+3 of the 16 tokens, one token a
 // 32-bit lane, as unsigned bytes (int4: the codes; int8: code + 128); D / 4 registers
 template <int BITS, int D16>
@@ -2075,13 +2148,17 @@ void score_block_512(const float* q, const uint8_t* const* code, const uint16_t*
   QueryParts few[8];  // a decode row's vectors on the stack: a thread_local costs a call into the loader
   thread_local std::vector<QueryParts> many;
   QueryParts* parts = nq <= 8 ? few : (many.resize(nq), many.data());
-  key_params_f32<BITS, D16>(prm, d, sc, mn);
+  constexpr bool FIXED = D16 == 4 || D16 == 8;
+  if constexpr (!FIXED) key_params_f32<BITS, D16>(prm, d, sc, mn);
   const float* qv[4];
   QueryParts* out[4];
   int nv = 0;
   for (int64_t i = 0; i < nq; ++i) {  // the vectors that see the block, four at a time
     if (s - k0 <= last[i]) qv[nv] = q + i * d, out[nv++] = &parts[i];
-    if (nv == 4 || (i == nq - 1 && nv)) query_parts<BITS, D16>(qv, nv, sc, mn, d, out), nv = 0;
+    if (nv < 4 && !(i == nq - 1 && nv)) continue;
+    if constexpr (FIXED) query_parts_fixed<BITS, D16>(qv, nv, prm, out);
+    else query_parts<BITS, D16>(qv, nv, sc, mn, d, out);
+    nv = 0;
   }
   ahead->issue(each);
   for (int64_t c = s; c < e; c += TOKENS_512) {
