@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <type_traits>
@@ -1534,8 +1535,15 @@ inline void weigh_group(const float* e, int64_t padded, int64_t count, const T* 
 inline float row_max(const float* s, int64_t n) {
   float mx = s[0];
   int64_t p = 0;
+#ifdef KVSCOPE_AVX512
+  if (n >= 16) {
+    __m512 m = _mm512_loadu_ps(s);
+    for (p = 16; p + 16 <= n; p += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + p));
+    mx = _mm512_reduce_max_ps(m);
+  }
+#endif
 #ifdef KVSCOPE_AVX2
-  if (n >= 8) {
+  if (n >= 8 && p == 0) {
     __m256 m = _mm256_loadu_ps(s);
     for (p = 8; p + 8 <= n; p += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + p));
     alignas(32) float lanes[8];
@@ -1575,7 +1583,7 @@ void attend_tile(const float* q, float* part, const K& keys, const V& values, co
   const TK* const* rows_k = keys.at + (k0 - keys.first);  // the stored rows, read in place in their own type
   const TV* const* rows_v = values.at + (k0 - values.first);
   thread_local std::vector<float> scores;
-  scores.assign(nq * padded, 0.f);
+  scores.resize(nq * padded);  // every score up to a vector's last key is written, the rest set by its softmax
   std::vector<int64_t> last(nq);  // each vector's last key in this tile, from k0
   for (int64_t i = 0; i < nq; ++i) last[i] = std::min<int64_t>(pos[i / group], k1 - 1) - k0;
 #ifdef KVSCOPE_AVX512
@@ -2819,7 +2827,7 @@ void attend_tile(const float* q, float* part, const QuantRows<BITS>& keys, const
   thread_local std::vector<float> scores;
   thread_local std::vector<const WindowRow<BITS>*> window_k, window_v;
   thread_local std::vector<int64_t> last;  // each vector's last key in this tile, from k0
-  scores.assign(nq * padded, 0.f);
+  scores.resize(nq * padded);  // every score up to a vector's last key is written, the rest set by its softmax
   last.resize(nq);
   for (int64_t i = 0; i < nq; ++i) last[i] = std::min<int64_t>(pos[i / group], k1 - 1) - k0;
   score_quantized<BITS>(q, keys, values, last.data(), nq, d, k0, qstart, qend, scores.data(), padded);
@@ -2856,7 +2864,10 @@ void attend_tile(const float* q, float* part, const QuantRows<BITS>& keys, const
 inline void combine_tiles(const float* parts, int64_t tiles, int64_t tile_stride, float* out, int64_t d) {
   float mx = -std::numeric_limits<float>::infinity();
   for (int64_t t = 0; t < tiles; ++t) mx = std::max(mx, parts[t * tile_stride]);
-  if (mx == -std::numeric_limits<float>::infinity()) return;  // a padding row: no keys
+  if (mx == -std::numeric_limits<float>::infinity()) {  // a padding row: no keys
+    std::fill_n(out, d, 0.f);
+    return;
+  }
   float total = 0.f;
   std::fill_n(out, d, 0.f);
   for (int64_t t = 0; t < tiles; ++t) {
@@ -2922,7 +2933,7 @@ at::Tensor run_attention(const at::Tensor& q, const StepMap& map, MakeRows make_
   TORCH_CHECK(q.size(3) % 8 == 0, "head_dim must be a multiple of 8");
   int64_t b = q.size(0), hq = q.size(1), t = q.size(2), d = q.size(3);
   TORCH_CHECK(map.t == t, "q_pos must be [B, T]");
-  auto out = at::zeros({b, t, hq * d}, q.options());  // the layout the output projection reads
+  auto out = at::empty({b, t, hq * d}, q.options());  // the layout the output projection reads
   float scale = 1.f / std::sqrt(static_cast<float>(d));
   constexpr int64_t ROWS = 16;
   int64_t row_groups = (t + ROWS - 1) / ROWS, hkv = make_rows.num_kv_heads(), group = hq / hkv;
@@ -2944,7 +2955,7 @@ at::Tensor run_attention(const at::Tensor& q, const StepMap& map, MakeRows make_
         parts += tiles;
       }
     }
-  std::vector<float> partials(parts * vectors * stride);
+  std::unique_ptr<float[]> partials(new float[parts * vectors * stride]);  // each task starts its own (no zeros)
   const float* qb = q.data_ptr<float>();
   const int64_t tasks = static_cast<int64_t>(work.size());
   parallel_chunks(tasks, two_a_thread(tasks, 1), [&](int64_t w0, int64_t w1) {
@@ -2962,7 +2973,7 @@ at::Tensor run_attention(const at::Tensor& q, const StepMap& map, MakeRows make_
           const float* src = qb + ((job.b * hq + job.h * group + j) * t + job.r0 + r) * d;
           for (int64_t e = 0; e < d; ++e) qg[(r * group + j) * d + e] = src[e] * scale;
         }
-      attend_tile(qg.data(), partials.data() + job.part * vectors * stride, keys, values, pos, job.rows, group, d,
+      attend_tile(qg.data(), partials.get() + job.part * vectors * stride, keys, values, pos, job.rows, group, d,
                   k0, k1);
     }
   });
@@ -2971,7 +2982,7 @@ at::Tensor run_attention(const at::Tensor& q, const StepMap& map, MakeRows make_
     for (int64_t g = 0; g < row_groups; ++g)
       for (int64_t h = 0; h < hkv; ++h) {
         int64_t r0 = g * ROWS, rows = std::min(ROWS, t - r0), tiles = tiles_of[bi * row_groups + g];
-        const float* base = partials.data() + first_part[(bi * row_groups + g) * hkv + h] * vectors * stride;
+        const float* base = partials.get() + first_part[(bi * row_groups + g) * hkv + h] * vectors * stride;
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t j = 0; j < group; ++j)
             combine_tiles(base + (r * group + j) * stride, tiles, vectors * stride,
