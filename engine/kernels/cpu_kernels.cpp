@@ -1178,7 +1178,6 @@ struct StoreRows {
   using Element = T;
   int64_t first = 0;  // the position of at[0]
   const T* const* at = nullptr;  // per position from `first` (in the thread's scratch until its next tile)
-  int64_t known = 0;  // `at` covers [first, known): the tile and the rows after it, fetched ahead while it is read
 };
 
 // Attention over fixed key tiles: the keys of positions [t * KEY_TILE, (t + 1) * KEY_TILE) form tile t, whatever
@@ -1188,13 +1187,16 @@ struct StoreRows {
 // neither the block size, the pool's chunks, the batch nor the number of threads changes a row's bits.
 constexpr int64_t KEY_TILE = 256;
 
-// The float attention's rows come from memory in two steps (this VM's hardware prefetchers barely help): keys and
-// values into L2 FAR_ROWS ahead of the key being scored, across the tile's end into the next one, then keys from L2
-// into L1 NEAR_ROWS ahead. A core keeps few misses to L1 in flight, so fetching from memory straight into L1
-// capped the rows read at once (measured on a 2-core Zen 4 EPYC, bfloat16 cache at 4,096 tokens, one thread: the
-// step 13.05 -> 12.04 ms against keys into L1 and values into L2 both 16 rows ahead; 64 rows ahead into L2, or
-// fetching farther into L1 alone, no faster)
-constexpr int64_t FAR_ROWS = 32, NEAR_ROWS = 8;
+// rows * group query vectors q ([nq, D], row r head j at r * group + j, already scaled) at positions pos[r]
+// attend to the keys k0..min(k1, pos[r] + 1) - 1; per vector: max -> part[0], sum -> part[1], values -> part[2..]
+inline void prefetch_row(const void* key, const void* value, int64_t bytes) {
+#ifdef KVSCOPE_AVX2
+  for (int64_t off = 0; off < bytes; off += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(key) + off, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(value) + off, _MM_HINT_T1);
+  }
+#endif
+}
 
 // lines to prefetch into L1, issued a few at a time between a block's computations: int8's whole block of lines at
 // once (19 and more) would fill the line fill buffers and stall the loads behind them
@@ -1589,19 +1591,14 @@ void attend_tile(const float* q, float* part, const K& keys, const V& values, co
 #ifdef KVSCOPE_AVX512
   if (float512(d)) q = in_key_order<TK>(q, nq, d);
 #endif
-  // the tile's first rows at once (without the software prefetches the bfloat16 attention at 4,096 tokens took
-  // 16.5 ms instead of 10.6), then a few at a time ahead of their use (values: read after the softmax, from L2)
-  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(TK)), known = keys.known - k0;
-  auto to_l2 = [&](int64_t a) {
-    prefetch_span(rows_k[a], reinterpret_cast<const char*>(rows_k[a]) + row_bytes, _MM_HINT_T1);
-    prefetch_span(rows_v[a], reinterpret_cast<const char*>(rows_v[a]) + row_bytes, _MM_HINT_T1);
-  };
-  auto to_l1 = [&](int64_t a) { prefetch_span(rows_k[a], reinterpret_cast<const char*>(rows_k[a]) + row_bytes, _MM_HINT_T0); };
-  for (int64_t a = 0; a < std::min(known, FAR_ROWS); ++a) to_l2(a);
-  for (int64_t a = 0; a < std::min(n, NEAR_ROWS); ++a) to_l1(a);
+  // the tile's first rows at once (this VM's hardware prefetchers barely help: without the software prefetches
+  // the bfloat16 attention at 4,096 tokens takes 16.5 ms instead of 10.6), then a few at a time, ahead of their
+  // use: the next keys into L1, the values at the same pace into L2 (read after the softmax)
+  for (int64_t a = 0; a < std::min(n, 4 * KEYS_AT_ONCE); ++a)
+    prefetch_row(rows_k[a], rows_v[a], d * static_cast<int64_t>(sizeof(TK)));
   for (int64_t p = 0; p < n; p += KEYS_AT_ONCE) {
-    for (int64_t a = p + FAR_ROWS; a < std::min(known, p + FAR_ROWS + KEYS_AT_ONCE); ++a) to_l2(a);
-    for (int64_t a = p + NEAR_ROWS; a < std::min(n, p + NEAR_ROWS + KEYS_AT_ONCE); ++a) to_l1(a);
+    for (int64_t a = p + 4 * KEYS_AT_ONCE; a < std::min(n, p + 5 * KEYS_AT_ONCE); ++a)
+      prefetch_row(rows_k[a], rows_v[a], d * static_cast<int64_t>(sizeof(TK)));
     for (int64_t r = 0; r < rows; ++r)  // a row's group of vectors shares its position, so its keys
       if (p <= last[r * group])
         score_group(q + r * group * d, group, d, rows_k + p, std::min(KEYS_AT_ONCE, last[r * group] + 1 - p),
@@ -2997,20 +2994,18 @@ struct FloatStores {
   const StepMap& map;
   int64_t hkv;
   int64_t num_kv_heads() const { return hkv; }
-  // the rows of tile [k0, k1) of sequence b, head h, and the FAR_ROWS after it (prefetched while it is read), a
-  // block at a time (a block's rows are a stride apart)
+  // the rows of tile [k0, k1) of sequence b, head h, a block at a time (a block's rows are a stride apart)
   std::pair<StoreRows<T>, StoreRows<T>> operator()(int64_t b, int64_t h, int64_t k0, int64_t k1) const {
     thread_local std::vector<const T*> k_at, v_at;
-    int64_t known = std::max(k1, std::min(k1 + FAR_ROWS, map.kv_len(b)));
-    k_at.resize(known - k0), v_at.resize(known - k0);
+    k_at.resize(k1 - k0), v_at.resize(k1 - k0);
     const T** kat = k_at.data();  // (a thread_local's address is a call: looked up once)
     const T** vat = v_at.data();
-    map.each_block(b, k0, known, [&](int64_t p0, int64_t p1, int64_t store, int64_t slot) {
+    map.each_block(b, k0, k1, [&](int64_t p0, int64_t p1, int64_t store, int64_t slot) {
       const T *kr = k.at(store, h, slot), *vr = v.at(store, h, slot);
       int64_t ks = k.slot_stride[store], vs = v.slot_stride[store];
       for (int64_t p = p0; p < p1; ++p, kr += ks, vr += vs) kat[p - k0] = kr, vat[p - k0] = vr;
     });
-    return {StoreRows<T>{k0, kat, known}, StoreRows<T>{k0, vat, known}};
+    return {StoreRows<T>{k0, kat}, StoreRows<T>{k0, vat}};
   }
 };
 
