@@ -23,6 +23,7 @@ import torch
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 NAME = "kvscope_cpu_kernels"
 TAG = "kvscope kernels 11"  # in the keys of measured choices (weights, KV precision): a new version measures again
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]  # the host's instruction set
 
 
 def build_dir() -> Path:
@@ -65,7 +66,7 @@ def _load() -> object | None:
         _ninja_on_path()
         cpp_extension.load(
             NAME, [str(SOURCE)], build_directory=str(build_dir()), is_python_module=False, verbose=False,
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-DNDEBUG"], extra_ldflags=["-fopenmp"],
+            extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
         )
         return torch.ops.kvscope
     except Exception as error:  # noqa: BLE001 - any build failure: the pure PyTorch path, said once
