@@ -1944,92 +1944,31 @@ constexpr int64_t TOKENS_512 = 16;  // tokens a register of scores holds
 inline bool kv512_keys(int bits, int64_t d) { return d <= 256 && d % (bits == 4 ? 32 : 16) == 0; }
 inline bool kv512_values(int bits, int64_t d) { return d <= 256 && d % (bits == 4 ? 64 : 32) == 0; }
 
-// a block's key scales (and int4 minimums) as floats, [D] each, shared by every vector of the tile
-template <int BITS, int D16>
-inline void key_params_f32(const uint16_t* param, int64_t d_, float* sc, float* mn) {
-  const int64_t d = D16 ? D16 * 16 : d_;
-  auto bytes = reinterpret_cast<const uint8_t*>(param);
-  auto [s_super, m_super] = BITS == 4 ? int4_supers(param, d) : std::pair<float, float>{0.f, 0.f};
-  for (int64_t j = 0; j < d; j += 16) {
-    if constexpr (BITS == 8) {
-      _mm512_storeu_ps(sc + j, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(param + j))));
-    } else {
-      __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + j));
-      __m128i m8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + d + j));
-      _mm512_storeu_ps(sc + j, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(s8)), _mm512_set1_ps(s_super)));
-      _mm512_storeu_ps(mn + j, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(m8)), _mm512_set1_ps(m_super)));
-    }
-  }
-}
-
 struct QueryParts {  // a vector against one block: x = q * scale ~ dq * (256 hi + lo) (int8 keys) or dq * hi (int4)
   alignas(64) int8_t hi[256], lo[256];
   float dq, bias;  // bias: q . min (int4), 0 (int8)
   int32_t offset;  // int8: 128 * sum of (256 hi + lo), what the codes' +128 adds to the sums
 };
 
-
-// up to four vectors q[v] against one block (scales sc, int4 minimums mn, as floats): their QueryParts
-template <int BITS, int D16>
-inline void query_parts(const float* const* q, int nv, const float* sc, const float* mn, int64_t d_,
-                        QueryParts* const* out) {
-  const int64_t d = D16 ? D16 * 16 : d_;
-  alignas(64) float x[4][256];
-  __m512 amax[4], b[4];
-  for (int v = 0; v < 4; ++v) amax[v] = b[v] = _mm512_setzero_ps();
-  for (int v = 0; v < nv; ++v)
-    for (int64_t j = 0; j < d; j += 16) {
-      __m512 qj = _mm512_loadu_ps(q[v] + j), xj = _mm512_mul_ps(qj, _mm512_loadu_ps(sc + j));
-      _mm512_store_ps(x[v] + j, xj);
-      amax[v] = _mm512_max_ps(amax[v], _mm512_abs_ps(xj));
-      if constexpr (BITS == 4) b[v] = _mm512_fmadd_ps(qj, _mm512_loadu_ps(mn + j), b[v]);
-    }
-  alignas(16) float top[4], bias[4];
-  _mm_store_ps(top, reduce4<true>(amax[0], amax[1], amax[2], amax[3]));
-  _mm_store_ps(bias, reduce4<false>(b[0], b[1], b[2], b[3]));
-  const float grid = QUERY_GRID<BITS>;
-  for (int v = 0; v < nv; ++v) {
-    const __m512 vinv = _mm512_set1_ps(top[v] > 0.f ? grid / top[v] : 0.f);
-    __m512i total = _mm512_setzero_si512();
-    for (int64_t j = 0; j < d; j += 16) {
-      __m512i xi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(x[v] + j), vinv));
-      if constexpr (BITS == 4) {  // one part: |x| <= 127
-        _mm_store_si128(reinterpret_cast<__m128i*>(out[v]->hi + j), _mm512_cvtepi32_epi8(xi));
-        continue;
-      }
-      __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(xi, _mm512_set1_epi32(128)), 8);  // -127..127
-      __m512i lo = _mm512_sub_epi32(xi, _mm512_slli_epi32(hi, 8));                       // -128..127
-      _mm_store_si128(reinterpret_cast<__m128i*>(out[v]->hi + j), _mm512_cvtepi32_epi8(hi));
-      _mm_store_si128(reinterpret_cast<__m128i*>(out[v]->lo + j), _mm512_cvtepi32_epi8(lo));
-      total = _mm512_add_epi32(total, xi);
-    }
-    out[v]->dq = top[v] / grid;
-    out[v]->bias = BITS == 4 ? bias[v] : 0.f;
-    out[v]->offset = BITS == 8 ? 128 * _mm512_reduce_add_epi32(total) : 0;
-  }
-}
-
-// 4 registers of int32 (channels 0-15, 16-31, 32-47, 48-63) -> 64 saturated int8 in channel order
+// 4 registers of int32 (channels 0-15, 16-31, 32-47, 48-63) -> their 64 values as saturated int8 in channel order
 inline __m512i pack_bytes(__m512i a, __m512i b, __m512i c, __m512i d) {
   // the packs keep 128-bit lanes: lane L holds channels 4L..4L+3 of a, b, c, d (a dword each); dword g of the
   // result takes channels 4(g % 4).. of register g / 4
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  __m512i words = _mm512_packs_epi32(a, b), more = _mm512_packs_epi32(c, d);
-  return _mm512_permutexvar_epi32(order, _mm512_packs_epi16(words, more));
+  return _mm512_permutexvar_epi32(order, _mm512_packs_epi16(_mm512_packs_epi32(a, b), _mm512_packs_epi32(c, d)));
 }
 
-// query_parts with the block's parameters and each vector's products in registers, D16 (4 or 8) known when
-// compiled: the same operations on the same values (so the same bits), a third of the instructions (x = q * scale
-// computed twice instead of stored and loaded; the int8 parts split as 16-bit lanes; the codes packed, not
-// stored 16 at a time)
+// up to four vectors q[v] against one block (its parameters `param`): their QueryParts. The block's scales (and
+// int4 minimums) are read into registers once for all of them; x = q * scale is computed twice (for its maximum,
+// then for its codes) rather than stored and reloaded, int8's two parts are split in 16-bit lanes and the codes
+// are packed 64 at a time (bytes past D are zeros). D16: d / 16 where known when compiled, else 0.
 template <int BITS, int D16>
-inline void query_parts_fixed(const float* const* q, int nv, const uint16_t* param, QueryParts* const* out) {
-  static_assert(D16 % 4 == 0, "whole registers of 64 channels");
-  constexpr int64_t d = D16 * 16;
-  __m512 sc[D16], mn[D16];
+inline void query_parts(const float* const* q, int nv, const uint16_t* param, int64_t d_, QueryParts* const* out) {
+  const int64_t d = D16 ? D16 * 16 : d_, regs = d / 16;
+  __m512 sc[16], mn[16];  // d <= 256
   auto bytes = reinterpret_cast<const uint8_t*>(param);
   auto [s_super, m_super] = BITS == 4 ? int4_supers(param, d) : std::pair<float, float>{0.f, 0.f};
-  for (int j = 0; j < D16; ++j) {
+  for (int64_t j = 0; j < regs; ++j) {
     if constexpr (BITS == 8) {
       sc[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(param + 16 * j)));
     } else {
@@ -2042,7 +1981,7 @@ inline void query_parts_fixed(const float* const* q, int nv, const uint16_t* par
   __m512 amax[4], b[4];
   for (int v = 0; v < 4; ++v) amax[v] = b[v] = _mm512_setzero_ps();
   for (int v = 0; v < nv; ++v)
-    for (int j = 0; j < D16; ++j) {
+    for (int64_t j = 0; j < regs; ++j) {
       __m512 qj = _mm512_loadu_ps(q[v] + 16 * j);
       amax[v] = _mm512_max_ps(amax[v], _mm512_abs_ps(_mm512_mul_ps(qj, sc[j])));
       if constexpr (BITS == 4) b[v] = _mm512_fmadd_ps(qj, mn[j], b[v]);
@@ -2051,23 +1990,22 @@ inline void query_parts_fixed(const float* const* q, int nv, const uint16_t* par
   _mm_store_ps(top, reduce4<true>(amax[0], amax[1], amax[2], amax[3]));
   _mm_store_ps(bias, reduce4<false>(b[0], b[1], b[2], b[3]));
   const float grid = QUERY_GRID<BITS>;
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);  // pack_bytes'
   for (int v = 0; v < nv; ++v) {
     const __m512 vinv = _mm512_set1_ps(top[v] > 0.f ? grid / top[v] : 0.f);
     __m512i total = _mm512_setzero_si512();
-    for (int j0 = 0; j0 < D16; j0 += 4) {
+    for (int64_t j0 = 0; j0 < regs; j0 += 4) {
       __m512i xi[4];
-      for (int u = 0; u < 4; ++u) {
-        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(q[v] + 16 * (j0 + u)), sc[j0 + u]);
-        xi[u] = _mm512_cvtps_epi32(_mm512_mul_ps(x, vinv));
-      }
+      for (int64_t u = 0; u < 4; ++u)
+        xi[u] = j0 + u < regs ? _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(q[v] + 16 * (j0 + u)),
+                                                                               sc[j0 + u]), vinv))
+                              : _mm512_setzero_si512();
       if constexpr (BITS == 4) {  // one part: |x| <= 127
         _mm512_store_si512(out[v]->hi + 16 * j0, pack_bytes(xi[0], xi[1], xi[2], xi[3]));
         continue;
       }
       total = _mm512_add_epi32(total, _mm512_add_epi32(_mm512_add_epi32(xi[0], xi[1]), _mm512_add_epi32(xi[2], xi[3])));
-      // |x| <= 32512: hi = (x + 128) >> 8 in -127..127, lo = x - 256 hi in -128..127, as in query_parts, 32
-      // channels a register (the packs' lane order, undone by pack_bytes' order after the packs to bytes)
-      const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+      // |x| <= 32512: hi = (x + 128) >> 8 in -127..127 and lo = x - 256 hi in -128..127, in 16-bit lanes
       __m512i w[2] = {_mm512_packs_epi32(xi[0], xi[1]), _mm512_packs_epi32(xi[2], xi[3])}, hi[2], lo[2];
       for (int u = 0; u < 2; ++u) {
         hi[u] = _mm512_srai_epi16(_mm512_add_epi16(w[u], _mm512_set1_epi16(128)), 8);
@@ -2148,22 +2086,16 @@ void score_block_512(const float* q, const uint8_t* const* code, const uint16_t*
                      Prefetches* ahead) {
   int64_t chunks = (e - s + TOKENS_512 - 1) / TOKENS_512;
   int each = static_cast<int>((ahead->left() + chunks * (nq + 1)) / (chunks * (nq + 1) + 1));  // a share a step
-  alignas(64) float sc[256], mn[256];
   __m512i quads[64];
   QueryParts few[8];  // a decode row's vectors on the stack: a thread_local costs a call into the loader
   thread_local std::vector<QueryParts> many;
   QueryParts* parts = nq <= 8 ? few : (many.resize(nq), many.data());
-  constexpr bool FIXED = D16 == 4 || D16 == 8;
-  if constexpr (!FIXED) key_params_f32<BITS, D16>(prm, d, sc, mn);
   const float* qv[4];
   QueryParts* out[4];
   int nv = 0;
   for (int64_t i = 0; i < nq; ++i) {  // the vectors that see the block, four at a time
     if (s - k0 <= last[i]) qv[nv] = q + i * d, out[nv++] = &parts[i];
-    if (nv < 4 && !(i == nq - 1 && nv)) continue;
-    if constexpr (FIXED) query_parts_fixed<BITS, D16>(qv, nv, prm, out);
-    else query_parts<BITS, D16>(qv, nv, sc, mn, d, out);
-    nv = 0;
+    if (nv == 4 || (i == nq - 1 && nv)) query_parts<BITS, D16>(qv, nv, prm, d, out), nv = 0;
   }
   ahead->issue(each);
   for (int64_t c = s; c < e; c += TOKENS_512) {
