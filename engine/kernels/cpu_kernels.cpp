@@ -1950,12 +1950,15 @@ struct QueryParts {  // a vector against one block: x = q * scale ~ dq * (256 hi
   int32_t offset;  // int8: 128 * sum of (256 hi + lo), what the codes' +128 adds to the sums
 };
 
+// bytes packed from 64 channels (packs keep 128-bit lanes: lane L holds channels 4L..4L+3 of each of the four
+// 16-channel sources, a dword each) -> channel order: dword g takes channels 4(g % 4).. of source g / 4
+inline __m512i in_channel_order(__m512i packed) {
+  return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), packed);
+}
+
 // 4 registers of int32 (channels 0-15, 16-31, 32-47, 48-63) -> their 64 values as saturated int8 in channel order
 inline __m512i pack_bytes(__m512i a, __m512i b, __m512i c, __m512i d) {
-  // the packs keep 128-bit lanes: lane L holds channels 4L..4L+3 of a, b, c, d (a dword each); dword g of the
-  // result takes channels 4(g % 4).. of register g / 4
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_epi32(order, _mm512_packs_epi16(_mm512_packs_epi32(a, b), _mm512_packs_epi32(c, d)));
+  return in_channel_order(_mm512_packs_epi16(_mm512_packs_epi32(a, b), _mm512_packs_epi32(c, d)));
 }
 
 // up to four vectors q[v] against one block (its parameters `param`): their QueryParts. The block's scales (and
@@ -1990,7 +1993,6 @@ inline void query_parts(const float* const* q, int nv, const uint16_t* param, in
   _mm_store_ps(top, reduce4<true>(amax[0], amax[1], amax[2], amax[3]));
   _mm_store_ps(bias, reduce4<false>(b[0], b[1], b[2], b[3]));
   const float grid = QUERY_GRID<BITS>;
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);  // pack_bytes'
   for (int v = 0; v < nv; ++v) {
     const __m512 vinv = _mm512_set1_ps(top[v] > 0.f ? grid / top[v] : 0.f);
     __m512i total = _mm512_setzero_si512();
@@ -2011,8 +2013,8 @@ inline void query_parts(const float* const* q, int nv, const uint16_t* param, in
         hi[u] = _mm512_srai_epi16(_mm512_add_epi16(w[u], _mm512_set1_epi16(128)), 8);
         lo[u] = _mm512_sub_epi16(w[u], _mm512_slli_epi16(hi[u], 8));
       }
-      _mm512_store_si512(out[v]->hi + 16 * j0, _mm512_permutexvar_epi32(order, _mm512_packs_epi16(hi[0], hi[1])));
-      _mm512_store_si512(out[v]->lo + 16 * j0, _mm512_permutexvar_epi32(order, _mm512_packs_epi16(lo[0], lo[1])));
+      _mm512_store_si512(out[v]->hi + 16 * j0, in_channel_order(_mm512_packs_epi16(hi[0], hi[1])));
+      _mm512_store_si512(out[v]->lo + 16 * j0, in_channel_order(_mm512_packs_epi16(lo[0], lo[1])));
     }
     out[v]->dq = top[v] / grid;
     out[v]->bias = BITS == 4 ? bias[v] : 0.f;
