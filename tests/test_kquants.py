@@ -66,8 +66,9 @@ def test_a_kept_q4_k_projection_differs_by_at_most_its_scales_float16_rounding()
     put_f16(blocks, 2, rng.uniform(1e-3, 2e-2, size=(N, K // 256)))
     module = build_linear(_q4_k(blocks))
     expected = gguf_values(blocks, T.Q4_K)
-    scales = module.quantized().scales.float().repeat_interleave(32, dim=1)  # [N, K], float16 as the module keeps them
-    bound = F16_HALF_ULP * (15 * scales.abs() + module.quantized().minimums.float().abs().repeat_interleave(32, dim=1))
+    held = module.quantized()  # in GGUF's order, float16 scales as the module keeps them
+    scales = held.scales.float().repeat_interleave(32, dim=1)  # [N, K]
+    bound = F16_HALF_ULP * (15 * scales.abs() + held.minimums.float().abs().repeat_interleave(32, dim=1))
     diff = (module.dense(torch.float32) - expected).abs()
     assert (diff <= bound + 1e-7).all()
     assert diff.max() > 0  # the rounding is real: the bound, not luck, is what holds
