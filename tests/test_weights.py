@@ -26,6 +26,8 @@ from engine.weights.linear import (
     Int8Linear,
     build_linear,
     dequantize_codes,
+    int8_rows16_parts,
+    int8_to_rows16,
     rows16_parts,
     to_rows16,
 )
@@ -201,6 +203,63 @@ def test_the_16_row_kernel_refuses_tensors_of_another_shape_by_what_it_expects()
     codes, scales, minimums = to_rows16(quantize_int4(torch.randn(32, 64)).with_float16_scales())
     with pytest.raises(RuntimeError, match="16-row layout"):
         ops.int4_linear(torch.randn(1, 64), codes, scales[:, :, :8].contiguous(), minimums)
+
+
+def int8_weight(n: int, k: int, group: int | None, seed: int = 0) -> QuantizedWeight:
+    """int8 codes with a scale per group of `group` inputs (None: one per output row), float16 scales."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    return (quantize_int8(w) if group is None else quantize_int8_groups(w, group)).with_float16_scales()
+
+
+@pytest.mark.parametrize("group", [32, 64, None])
+def test_the_int8_16_row_layout_holds_the_same_weight_and_reads_back_the_same_values(group):
+    q = int8_weight(48, 192, group)
+    codes, scales = int8_to_rows16(q)
+    assert codes.shape == (3, 6, 512) and scales.shape == (3, q.scales.shape[1], 16)
+    plain, back_scales = int8_rows16_parts(codes, scales)
+    assert torch.equal(plain.reshape(48, 192), q.codes) and torch.equal(back_scales, q.scales)
+    rows16_kernel()
+    module = Int8Linear(q)
+    assert module.rows16 and module.codes.shape == (3, 6, 512)
+    assert torch.equal(module.quantized().codes, q.codes) and torch.equal(module.quantized().scales, q.scales)
+    assert torch.equal(module.dense(torch.float32), q.dequantize())
+    ids = torch.tensor([[0, 17, 47], [31, 31, 2]])
+    for dtype in (torch.float32, torch.bfloat16):  # the compiled lookup, and the tensor ops for other dtypes
+        assert torch.equal(module.rows(ids, dtype), q.dequantize(dtype)[ids])
+
+
+@pytest.mark.parametrize("group", [32, 64, None])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 16])
+def test_the_16_row_int8_kernel_computes_what_the_row_at_a_time_kernel_does(group, rows):
+    ops = rows16_kernel()
+    q = int8_weight(96, 320, group, seed=rows)
+    x = torch.randn(rows, 320, generator=torch.Generator().manual_seed(rows + 100))
+    got = ops.int8_linear(x, *int8_to_rows16(q))
+    plain = ops.int8_linear(x, q.codes, q.scales)
+    exact = x.double() @ q.dequantize(torch.float64).T
+    # the same integers, other float steps: both within the int16 activations' error of the exact product
+    torch.testing.assert_close(got, plain, atol=1e-5 * float(exact.abs().max()), rtol=0)
+    torch.testing.assert_close(got.double(), exact, atol=1e-4 * float(exact.abs().max()), rtol=0)
+    for i in range(rows):  # a row's result does not depend on the rows beside it
+        assert torch.equal(ops.int8_linear(x[i:i + 1].contiguous(), *int8_to_rows16(q))[0], got[i])
+
+
+def test_an_int8_projection_whose_rows_do_not_fill_16_keeps_the_row_at_a_time_layout():
+    rows16_kernel()
+    q = int8_weight(40, 64, 32)
+    module, whole = Int8Linear(q), Int8Linear(QuantizedWeight.concat([q, q.rows(torch.arange(8))]))
+    assert not module.rows16 and module.codes.shape == (40, 64) and whole.rows16
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(module(x), whole(x)[:, :40], atol=1e-5, rtol=0)
+
+
+def test_the_int8_16_row_kernel_and_lookup_refuse_tensors_of_another_shape_by_what_they_expect():
+    ops = rows16_kernel()
+    codes, scales = int8_to_rows16(int8_weight(32, 64, 32))
+    with pytest.raises(RuntimeError, match="16-row layout"):
+        ops.int8_linear(torch.randn(1, 64), codes, scales[:, :, :8].contiguous())
+    with pytest.raises(RuntimeError, match="outside the 32 rows"):
+        ops.int8_embed(codes, scales, torch.tensor([32]))
 
 
 def test_quantization_rounds_to_the_nearest_step():

@@ -611,6 +611,8 @@ __attribute__((noinline)) void int4_rows(const uint8_t* c, const uint16_t* sc, c
 }
 #endif
 
+constexpr int64_t ROW_BLOCK = 16;  // weight rows the decode layouts interleave (int4_row_block())
+
 #if defined(KVSCOPE_AVX512)
 // ---- int4 weights 16 rows a register (the decode layout where AVX-512 VNNI is built): the weight rows in groups
 // of 16, each group stored block by block, 256 bytes a block of 32 codes: byte 32j + 2r + e holds code 2j + e of
@@ -621,7 +623,6 @@ __attribute__((noinline)) void int4_rows(const uint8_t* c, const uint16_t* sc, c
 // acc = fma(block sum, scale, acc), a group's minimum term acc = fma(minimum, its activation sum, acc) after its
 // last block, then acc * d_x: the same operations whatever the number of activation rows. (Rows one at a time,
 // as int4_rows reads them, took ~2x the instructions: a horizontal sum and the minimums' dot product a row.)
-constexpr int64_t ROW_BLOCK = 16;
 constexpr int64_t ROW_BLOCK_BYTES = ROW_BLOCK * QK / 2;
 // measured on a 2-core EPYC (Zen 4) VM, the default model's 120 projections streamed at one row: 2 KiB ahead into
 // L1 ran at ~15 GB/s, 16 KiB ahead into L2 at ~21 GB/s (the memory's own speed then); no prefetch ~13 GB/s
@@ -706,6 +707,77 @@ at::Tensor int4_linear16(const at::Tensor& input, const at::Tensor& codes, const
     in_row_groups(m, [&](int64_t r0, auto rows_m) {
       constexpr int M = decltype(rows_m)::value;
       (g == 32 ? int4_groups16<M, 32> : int4_groups16<M, 64>)(c, sc, mn, k, rows, r0, xsg.data(), out, g0, g1, n);
+    });
+  });
+  return y.view(out_sizes);
+}
+
+// ---- int8 weights 16 rows a register, as the int4 layout above: 512 bytes a block of 32 codes, byte 32j + 2r + e
+// holds code 2j + e of row r (j = 0..15, e = 0..1); the scales as [N/16, G, 16]. Sign-extended to int16, a 32-bit
+// lane holds two codes of one row, and vpdpwssd with an activation pair sums 16 rows at once. Per output row: the
+// blocks in order, acc = fma(block sum, scale, acc), then acc * d_x, whatever the number of activation rows. (Rows
+// one at a time, as int8_rows reads them, spent ~1.5x the int8 head's bytes' time in horizontal sums.)
+constexpr int64_t INT8_BLOCK_BYTES = ROW_BLOCK * QK;
+
+template <int M>
+__attribute__((noinline)) void int8_groups16(const int8_t* c, const uint16_t* sc, int64_t k, int64_t groups,
+                                             const QuantizedRows& x, int64_t r0, float* out, int64_t g0, int64_t g1,
+                                             int64_t n) {
+  const int64_t nb = k / QK, per = nb / groups;  // blocks a scale group
+  constexpr int A = M == 1 ? 4 : M <= 3 ? 2 : 1;  // int32 accumulators a row: chains of dpwssd side by side
+  const int16_t* q = x.q.data() + r0 * k;
+  for (int64_t gi = g0; gi < g1; ++gi) {
+    const int8_t* cg = c + gi * nb * INT8_BLOCK_BYTES;
+    const uint16_t* sg = sc + gi * groups * ROW_BLOCK;
+    std::array<__m512, M> acc;
+    acc.fill(_mm512_setzero_ps());
+    for (int64_t b = 0; b < nb; ++b) {
+      const int8_t* cb = cg + b * INT8_BLOCK_BYTES;
+      for (int l = 0; l < 8; ++l) _mm_prefetch(reinterpret_cast<const char*>(cb) + 64 * l + ROWS16_PREFETCH, _MM_HINT_T1);
+      const uint16_t* sb = sg + (b / per) * ROW_BLOCK;
+      if (b % per == 0) _mm_prefetch(reinterpret_cast<const char*>(sb) + ROWS16_PREFETCH / 16, _MM_HINT_T1);
+      std::array<std::array<__m512i, A>, M> sums;
+      for (auto& row : sums) row.fill(_mm512_setzero_si512());
+      const int64_t h[2] = {half_at(b, 0, nb), half_at(b, 1, nb)};
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) {  // codes 2j, 2j + 1 of each row: the block's half j / 8, pair j % 8
+        __m512i codes = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 32 * j)));
+        for (int i = 0; i < M; ++i) {
+          int32_t pair;
+          std::memcpy(&pair, q + i * k + h[j / 8] + 2 * (j % 8), 4);
+          sums[i][j % A] = _mm512_dpwssd_epi32(sums[i][j % A], codes, _mm512_set1_epi32(pair));
+        }
+      }
+      __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
+      for (int i = 0; i < M; ++i) {
+        __m512i total = sums[i][0];
+        for (int a = 1; a < A; ++a) total = _mm512_add_epi32(total, sums[i][a]);
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), scale, acc[i]);
+      }
+    }
+    for (int i = 0; i < M; ++i)
+      _mm512_storeu_ps(out + (r0 + i) * n + gi * ROW_BLOCK, _mm512_mul_ps(acc[i], _mm512_set1_ps(x.d[r0 + i])));
+  }
+}
+
+// int8_linear over the 16-row layout: codes [N/16, K/32, 512] int8, scales [N/16, G, 16] float16
+at::Tensor int8_linear16(const at::Tensor& input, const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(codes.size(2) == INT8_BLOCK_BYTES && scales.dim() == 3 && scales.size(2) == ROW_BLOCK &&
+                  scales.size(0) == codes.size(0) && codes.is_contiguous() && scales.is_contiguous(),
+              "int8 16-row layout: codes [N/16, K/32, 512], scales [N/16, G, 16], contiguous");
+  int64_t row_groups = codes.size(0), nb = codes.size(1), k = nb * QK, n = row_groups * ROW_BLOCK;
+  auto [x, out_sizes] = as_rows(input, k, n);
+  int64_t m = x.size(0), groups = scales.size(1);
+  TORCH_CHECK(m <= MAX_ROWS, "int8_linear takes at most 16 rows");
+  TORCH_CHECK(groups > 0 && nb % groups == 0, "int8: the group a multiple of 32");
+  auto rows = quantize_rows(x.data_ptr<float>(), m, k);
+  auto y = at::empty({m, n}, x.options());
+  const int8_t* c = codes.data_ptr<int8_t>();
+  const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  float* out = y.data_ptr<float>();
+  parallel_chunks(row_groups, two_a_thread(row_groups, 4), [&](int64_t g0, int64_t g1) {
+    in_row_groups(m, [&](int64_t r0, auto rows_m) {
+      int8_groups16<decltype(rows_m)::value>(c, sc, k, groups, rows, r0, out, g0, g1, n);
     });
   });
   return y.view(out_sizes);
@@ -814,6 +886,13 @@ __attribute__((noinline)) void int8_rows(const int8_t* c, const uint16_t* sc, in
 // int8 weights: w = code * scale. codes: [N, K] int8; scales: [N, K/g] float16 for groups of g (a multiple of
 // 32; g = K: one scale per row).
 at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes, const at::Tensor& scales) {
+  if (codes.dim() == 3) {
+#if defined(KVSCOPE_AVX512)
+    return int8_linear16(input, codes, scales);
+#else
+    TORCH_CHECK(false, "int8: the 16-row layout needs kernels built for AVX-512 VNNI (int4_row_block() == 0)");
+#endif
+  }
   int64_t k = codes.size(1), n = codes.size(0);
   auto [x, out_sizes] = as_rows(input, k, n);
   int64_t m = x.size(0);
@@ -849,14 +928,19 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes, const a
 
 // rows `ids` of int8 weights (w = code * scale, a float16 scale per group of K / G) as float32: a decode step's
 // embedding lookup in one call instead of the five tensor ops it takes in PyTorch (the same products, each
-// rounded once). codes [N, K] int8, scales [N, G] float16, ids int64 [...] -> [..., K]
+// rounded once). codes [N, K] int8 and scales [N, G] float16, or the 16-row layout's [N/16, K/32, 512] and
+// [N/16, G, 16]; ids int64 [...] -> [..., K]
 at::Tensor int8_embed(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& ids) {
-  TORCH_CHECK(codes.dim() == 2 && scales.dim() == 2 && codes.scalar_type() == at::kChar &&
-                  scales.scalar_type() == at::kHalf && codes.is_contiguous() && scales.is_contiguous() &&
-                  scales.size(0) == codes.size(0),
-              "int8_embed: int8 codes [N, K] and float16 scales [N, G], contiguous");
+  const bool rows16 = codes.dim() == 3;
+  TORCH_CHECK((rows16 ? codes.size(2) == ROW_BLOCK * QK && scales.dim() == 3 && scales.size(2) == ROW_BLOCK
+                      : codes.dim() == 2 && scales.dim() == 2) &&
+                  codes.scalar_type() == at::kChar && scales.scalar_type() == at::kHalf && codes.is_contiguous() &&
+                  scales.is_contiguous() && scales.size(0) == codes.size(0),
+              "int8_embed: int8 codes [N, K] and float16 scales [N, G] (or [N/16, K/32, 512] and [N/16, G, 16]), "
+              "contiguous");
   TORCH_CHECK(ids.scalar_type() == at::kLong, "int8_embed: ids must be int64");
-  int64_t n = codes.size(0), k = codes.size(1), groups = scales.size(1);
+  int64_t n = rows16 ? codes.size(0) * ROW_BLOCK : codes.size(0), k = rows16 ? codes.size(1) * QK : codes.size(1);
+  int64_t groups = scales.size(1);
   TORCH_CHECK(groups > 0 && k % groups == 0, "int8_embed: K must be a multiple of the scales' groups");
   int64_t g = k / groups;
   auto flat = ids.contiguous().view(-1);
@@ -870,7 +954,16 @@ at::Tensor int8_embed(const at::Tensor& codes, const at::Tensor& scales, const a
   for (int64_t i = 0; i < flat.numel(); ++i) {
     int64_t r = id[i];
     TORCH_CHECK(r >= 0 && r < n, "int8_embed: row ", r, " is outside the ", n, " rows");
-    for (int64_t j = 0; j < k; ++j) o[i * k + j] = static_cast<float>(c[r * k + j]) * half_to_float(sc[r * groups + j / g]);
+    // row r's code j and the scale of its group: in the 16-row layout block j / 32, byte 32 (j % 32 / 2) + 2 (r % 16) + j % 2
+    int64_t gi = r / ROW_BLOCK, rr = r % ROW_BLOCK;
+    auto code = [&](int64_t j) {
+      if (!rows16) return c[r * k + j];
+      return c[(gi * (k / QK) + j / QK) * ROW_BLOCK * QK + 32 * (j % QK / 2) + 2 * rr + j % 2];
+    };
+    auto scale = [&](int64_t j) {
+      return half_to_float(rows16 ? sc[(gi * groups + j / g) * ROW_BLOCK + rr] : sc[r * groups + j / g]);
+    };
+    for (int64_t j = 0; j < k; ++j) o[i * k + j] = static_cast<float>(code(j)) * scale(j);
   }
   return out.view(sizes);
 }

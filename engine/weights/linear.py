@@ -139,8 +139,8 @@ class FloatLinear(WeightLinear):
 
 class Int8Linear(WeightLinear):
     """Symmetric int8 codes with one scale per output channel, or per group of K (GGUF's Q8_0: the same
-    integers). kvscope's kernel reads codes [N, K] and scales [N, G] in one call; torch's fallback kernel takes
-    one call per group of K, summed."""
+    integers). kvscope's kernel reads them in one call, in its 16-row layout (`rows16`) where its AVX-512 kernel
+    is built, else as codes [N, K] and scales [N, G]; torch's fallback kernel takes one call per group of K, summed."""
 
     format_name = "int8"
 
@@ -148,11 +148,15 @@ class Int8Linear(WeightLinear):
         super().__init__(*q.shape)
         q = regrouped_for_kernel(q).with_float16_scales()  # a K-quant's exact scales regrouped, then rounded once
         self.group_size = q.group_size
-        self.register_buffer("codes", q.codes.contiguous())  # [N, K] int8
-        self.register_buffer("scales", q.scales.contiguous())  # [N, G] float16
         self.compiled = compiled_ops(q.codes) if self.in_features % 32 == 0 and self.group_size % 32 == 0 else None
+        self.rows16 = self.compiled is not None and self.out_features % ROW_BLOCK == 0 \
+            and self.compiled.int4_row_block() == ROW_BLOCK
+        codes, scales = int8_to_rows16(q) if self.rows16 else (q.codes.contiguous(), q.scales.contiguous())
+        self.register_buffer("codes", codes)  # [N, K] int8 ([N/16, K/32, 512] in rows16)
+        self.register_buffer("scales", scales)  # [N, G] float16 ([N/16, G, 16] in rows16)
         if self.compiled is not None:
-            self.kernel_name = "kvscope.int8_linear (int16 activations, one scale a row)"
+            layout = "16 rows a register" if self.rows16 else "a row at a time"
+            self.kernel_name = f"kvscope.int8_linear (int16 activations, one scale a row; {layout})"
         else:
             self._prepare_torch_kernel()
 
@@ -190,24 +194,37 @@ class Int8Linear(WeightLinear):
         return torch.ops.aten._weight_int8pack_mm(part, self.grouped[g], self.kernel_scales[g]).float() \
             .mul_(self.float_scales[g])
 
-    def dense(self, dtype):
-        return self.quantized().dequantize(dtype)
+    def _parts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes [N, K] or, in rows16, a strided view that reshapes to it; scales [N, G])."""
+        return int8_rows16_parts(self.codes, self.scales) if self.rows16 else (self.codes, self.scales)
+
+    def dense(self, dtype, out=None):
+        return dequantize_codes(*self._parts(), None, dtype, out)
 
     def transient_dense(self, dtype):
         n, k, device = self.out_features, self.in_features, self.codes.device
         if not reusable(n * k, dtype, device):
             return self.dense(dtype)
-        return self.quantized().dequantize(dtype, out=scratch(n * k, dtype, device))
+        return self.dense(dtype, out=scratch(n * k, dtype, device))
 
     def rows(self, index, dtype):
         if self.compiled is not None and dtype == torch.float32 and index.device.type == "cpu":
             return self.compiled.int8_embed(self.codes, self.scales, index)  # the same products, one call
-        codes = self.codes[index].to(dtype)  # [..., K]
-        scales = self.scales[index].to(dtype)[..., None]  # [..., G, 1]
+        codes, scales = self._parts()
+        codes = codes.reshape(self.shape)[index].to(dtype)  # [..., K]
+        scales = scales[index].to(dtype)[..., None]  # [..., G, 1]
         return (codes.view(*codes.shape[:-1], -1, self.group_size) * scales).flatten(-2)
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
+
     def quantized(self) -> QuantizedWeight:
-        return QuantizedWeight(8, self.codes, self.scales)
+        """The weight in the loaders' form (codes [N, K], scales [N, G])."""
+        if not self.rows16:
+            return QuantizedWeight(8, self.codes, self.scales)
+        codes, scales = self._parts()
+        return QuantizedWeight(8, codes.reshape(self.shape).contiguous(), scales)
 
 
 def regrouped_for_kernel(q: QuantizedWeight) -> QuantizedWeight:
@@ -351,7 +368,23 @@ def rows16_parts(codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tens
     return plain, *(t.transpose(1, 2).reshape(n, groups) for t in (scales, minimums))
 
 
-def dequantize_codes(codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor, dtype: torch.dtype,
+def int8_to_rows16(q: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 weights in kvscope's 16-row decode layout (cpu_kernels.cpp, int8_groups16): codes [N/16, K/32, 512]
+    int8, byte 32j + 2r + e of a block = code 2j + e of row r; scales [N/16, G, 16] float16."""
+    n, k = q.shape
+    codes = q.codes.view(n // ROW_BLOCK, ROW_BLOCK, k // 32, 16, 2).permute(0, 2, 3, 1, 4)  # [N/16, block, j, r, e]
+    scales = q.scales.view(n // ROW_BLOCK, ROW_BLOCK, -1).transpose(1, 2)
+    return codes.reshape(n // ROW_BLOCK, k // 32, 512).contiguous(), scales.contiguous()
+
+
+def int8_rows16_parts(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8_to_rows16 undone: codes [N/16, 16, K/32, 16, 2] (a strided view: [N, K] once reshaped), scales [N, G]."""
+    row_groups, blocks, _ = codes.shape
+    plain = codes.view(row_groups, blocks, 16, ROW_BLOCK, 2).permute(0, 3, 1, 2, 4)  # -> [N/16, r, block, j, e]
+    return plain, scales.transpose(1, 2).reshape(row_groups * ROW_BLOCK, scales.shape[1])
+
+
+def dequantize_codes(codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor | None, dtype: torch.dtype,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """QuantizedWeight.dequantize from unpacked codes (one a byte: [N, K], or a view that reshapes to it, written
     once from where it lies) and [N, G] scales and minimums: the same operations, so the same values. -> [N, K]"""
@@ -361,7 +394,8 @@ def dequantize_codes(codes: torch.Tensor, scales: torch.Tensor, minimums: torch.
     w.view(codes.shape).copy_(codes)
     w = w.view(n, groups, k // groups)
     w.mul_(scales.to(dtype)[..., None])
-    w.add_(minimums.to(dtype)[..., None])
+    if minimums is not None:  # int4 (int8: none)
+        w.add_(minimums.to(dtype)[..., None])
     return w.view(n, k)
 
 
