@@ -172,6 +172,17 @@ def rows16_kernel():
     return ops
 
 
+def assert_the_16_row_layout_computes_what_rows_one_at_a_time_do(linear, x, rows16, plain, dense):
+    """linear(x, *rows16) against linear(x, *plain) and the float64 product with `dense`, and row by row."""
+    got = linear(x, *rows16)
+    exact = x.double() @ dense.T
+    # the same integers, other float steps: both within the int16 activations' error of the exact product
+    torch.testing.assert_close(got, linear(x, *plain), atol=1e-5 * float(exact.abs().max()), rtol=0)
+    torch.testing.assert_close(got.double(), exact, atol=1e-4 * float(exact.abs().max()), rtol=0)
+    for i in range(x.shape[0]):  # a row's result does not depend on the rows beside it
+        assert torch.equal(linear(x[i:i + 1].contiguous(), *rows16)[0], got[i])
+
+
 @pytest.mark.parametrize("group", [32, 64])
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 16])
 def test_the_16_row_int4_kernel_computes_what_the_row_at_a_time_kernel_does(group, rows):
@@ -179,14 +190,8 @@ def test_the_16_row_int4_kernel_computes_what_the_row_at_a_time_kernel_does(grou
     g = torch.Generator().manual_seed(rows)
     q = quantize_int4(torch.randn(96, 320, generator=g) * 0.05, group).with_float16_scales()
     x = torch.randn(rows, 320, generator=g)
-    got = ops.int4_linear(x, *to_rows16(q))
-    plain = ops.int4_linear(x, q.codes, q.scales, q.minimums)
-    exact = x.double() @ q.dequantize(torch.float64).T
-    # the same integers, other float steps: both within the int16 activations' error of the exact product
-    torch.testing.assert_close(got, plain, atol=1e-5 * float(exact.abs().max()), rtol=0)
-    torch.testing.assert_close(got.double(), exact, atol=1e-4 * float(exact.abs().max()), rtol=0)
-    for i in range(rows):  # a row's result does not depend on the rows beside it
-        assert torch.equal(ops.int4_linear(x[i:i + 1].contiguous(), *to_rows16(q))[0], got[i])
+    assert_the_16_row_layout_computes_what_rows_one_at_a_time_do(
+        ops.int4_linear, x, to_rows16(q), (q.codes, q.scales, q.minimums), q.dequantize(torch.float64))
 
 
 def test_a_projection_whose_rows_do_not_fill_16_keeps_the_row_at_a_time_layout():
@@ -234,14 +239,8 @@ def test_the_16_row_int8_kernel_computes_what_the_row_at_a_time_kernel_does(grou
     ops = rows16_kernel()
     q = int8_weight(96, 320, group, seed=rows)
     x = torch.randn(rows, 320, generator=torch.Generator().manual_seed(rows + 100))
-    got = ops.int8_linear(x, *int8_to_rows16(q))
-    plain = ops.int8_linear(x, q.codes, q.scales)
-    exact = x.double() @ q.dequantize(torch.float64).T
-    # the same integers, other float steps: both within the int16 activations' error of the exact product
-    torch.testing.assert_close(got, plain, atol=1e-5 * float(exact.abs().max()), rtol=0)
-    torch.testing.assert_close(got.double(), exact, atol=1e-4 * float(exact.abs().max()), rtol=0)
-    for i in range(rows):  # a row's result does not depend on the rows beside it
-        assert torch.equal(ops.int8_linear(x[i:i + 1].contiguous(), *int8_to_rows16(q))[0], got[i])
+    assert_the_16_row_layout_computes_what_rows_one_at_a_time_do(
+        ops.int8_linear, x, int8_to_rows16(q), (q.codes, q.scales), q.dequantize(torch.float64))
 
 
 def test_an_int8_projection_whose_rows_do_not_fill_16_keeps_the_row_at_a_time_layout():
