@@ -628,6 +628,31 @@ constexpr int64_t ROW_BLOCK_BYTES = ROW_BLOCK * QK / 2;
 // L1 ran at ~15 GB/s, 16 KiB ahead into L2 at ~21 GB/s (the memory's own speed then); no prefetch ~13 GB/s
 constexpr int64_t ROWS16_PREFETCH = 16384;
 
+// The 16-row kernels' frame: for each group of 16 weight rows in [g0, g1), f(gi, acc) adds its blocks into acc (M
+// registers, one an activation row, zeroed first); then each row's 16 outputs = acc * d_x
+template <int M, typename F>
+__attribute__((always_inline)) inline void each_row_group16(const QuantizedRows& x, int64_t r0, float* out,
+                                                            int64_t g0, int64_t g1, int64_t n, F f) {
+  for (int64_t gi = g0; gi < g1; ++gi) {
+    std::array<__m512, M> acc;
+    acc.fill(_mm512_setzero_ps());
+    f(gi, acc);
+    for (int i = 0; i < M; ++i)
+      _mm512_storeu_ps(out + (r0 + i) * n + gi * ROW_BLOCK, _mm512_mul_ps(acc[i], _mm512_set1_ps(x.d[r0 + i])));
+  }
+}
+
+// acc[i] = fma(row i's block sums (its A chains of int32 added), the 16 rows' scales, acc[i])
+template <int M, int A>
+__attribute__((always_inline)) inline void add_block(const std::array<std::array<__m512i, A>, M>& sums, __m512 scale,
+                                                     std::array<__m512, M>& acc) {
+  for (int i = 0; i < M; ++i) {
+    __m512i total = sums[i][0];
+    for (int a = 1; a < A; ++a) total = _mm512_add_epi32(total, sums[i][a]);
+    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), scale, acc[i]);
+  }
+}
+
 template <int M, int G>
 __attribute__((noinline)) void int4_groups16(const uint8_t* c, const uint16_t* sc, const uint16_t* mn, int64_t k,
                                              const QuantizedRows& x, int64_t r0, const float* xsg, float* out,
@@ -639,12 +664,10 @@ __attribute__((noinline)) void int4_groups16(const uint8_t* c, const uint16_t* s
   auto ahead = [](const void* p, int64_t bytes) {
     _mm_prefetch(static_cast<const char*>(p) + bytes, _MM_HINT_T1);
   };
-  for (int64_t gi = g0; gi < g1; ++gi) {
+  each_row_group16<M>(x, r0, out, g0, g1, n, [&](int64_t gi, std::array<__m512, M>& acc) {
     const uint8_t* cg = c + gi * nb * ROW_BLOCK_BYTES;
     const uint16_t* sg = sc + gi * groups * ROW_BLOCK;
     const uint16_t* mg = mn + gi * groups * ROW_BLOCK;
-    std::array<__m512, M> acc;
-    acc.fill(_mm512_setzero_ps());
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* cb = cg + b * ROW_BLOCK_BYTES;
       const uint16_t *sb = sg + (b * QK / G) * ROW_BLOCK, *mb = mg + (b * QK / G) * ROW_BLOCK;
@@ -667,21 +690,14 @@ __attribute__((noinline)) void int4_groups16(const uint8_t* c, const uint16_t* s
           s1 = _mm512_dpwssd_epi32(s1, second, _mm512_set1_epi32(p1));
         }
       }
-      __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
-      for (int i = 0; i < M; ++i) {
-        __m512i total = sums[i][0];
-        for (int a = 1; a < A; ++a) total = _mm512_add_epi32(total, sums[i][a]);
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), scale, acc[i]);
-      }
+      add_block<M, A>(sums, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb))), acc);
       if ((b * QK) % G == G - QK) {  // the group's last block: its minimums times the group's activation sums
         __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mb)));
         for (int i = 0; i < M; ++i)
           acc[i] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(xsg[(r0 + i) * groups + b * QK / G]), acc[i]);
       }
     }
-    for (int i = 0; i < M; ++i)
-      _mm512_storeu_ps(out + (r0 + i) * n + gi * ROW_BLOCK, _mm512_mul_ps(acc[i], _mm512_set1_ps(x.d[r0 + i])));
-  }
+  });
 }
 
 // int4_linear over the 16-row layout: codes [N/16, K/32, 256] uint8, scales and minimums [N/16, G, 16] float16
@@ -726,11 +742,9 @@ __attribute__((noinline)) void int8_groups16(const int8_t* c, const uint16_t* sc
   const int64_t nb = k / QK, per = nb / groups;  // blocks a scale group
   constexpr int A = M == 1 ? 4 : M <= 3 ? 2 : 1;  // int32 accumulators a row: chains of dpwssd side by side
   const int16_t* q = x.q.data() + r0 * k;
-  for (int64_t gi = g0; gi < g1; ++gi) {
+  each_row_group16<M>(x, r0, out, g0, g1, n, [&](int64_t gi, std::array<__m512, M>& acc) {
     const int8_t* cg = c + gi * nb * INT8_BLOCK_BYTES;
     const uint16_t* sg = sc + gi * groups * ROW_BLOCK;
-    std::array<__m512, M> acc;
-    acc.fill(_mm512_setzero_ps());
     for (int64_t b = 0; b < nb; ++b) {
       const int8_t* cb = cg + b * INT8_BLOCK_BYTES;
       for (int l = 0; l < 8; ++l) _mm_prefetch(reinterpret_cast<const char*>(cb) + 64 * l + ROWS16_PREFETCH, _MM_HINT_T1);
@@ -748,16 +762,9 @@ __attribute__((noinline)) void int8_groups16(const int8_t* c, const uint16_t* sc
           sums[i][j % A] = _mm512_dpwssd_epi32(sums[i][j % A], codes, _mm512_set1_epi32(pair));
         }
       }
-      __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
-      for (int i = 0; i < M; ++i) {
-        __m512i total = sums[i][0];
-        for (int a = 1; a < A; ++a) total = _mm512_add_epi32(total, sums[i][a]);
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), scale, acc[i]);
-      }
+      add_block<M, A>(sums, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb))), acc);
     }
-    for (int i = 0; i < M; ++i)
-      _mm512_storeu_ps(out + (r0 + i) * n + gi * ROW_BLOCK, _mm512_mul_ps(acc[i], _mm512_set1_ps(x.d[r0 + i])));
-  }
+  });
 }
 
 // int8_linear over the 16-row layout: codes [N/16, K/32, 512] int8, scales [N/16, G, 16] float16
