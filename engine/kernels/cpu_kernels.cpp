@@ -2895,12 +2895,9 @@ void attend_tile(const float* q, float* part, const QuantRows<BITS>& keys, const
 inline void combine_tiles(const float* parts, int64_t tiles, int64_t tile_stride, float* out, int64_t d) {
   float mx = -std::numeric_limits<float>::infinity();
   for (int64_t t = 0; t < tiles; ++t) mx = std::max(mx, parts[t * tile_stride]);
-  if (mx == -std::numeric_limits<float>::infinity()) {  // a padding row: no keys
-    std::fill_n(out, d, 0.f);
-    return;
-  }
-  float total = 0.f;
   std::fill_n(out, d, 0.f);
+  if (mx == -std::numeric_limits<float>::infinity()) return;  // a padding row: no keys
+  float total = 0.f;
   for (int64_t t = 0; t < tiles; ++t) {
     const float* pt = parts + t * tile_stride;
     if (pt[1] == 0.f) continue;

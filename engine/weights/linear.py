@@ -59,6 +59,16 @@ class WeightLinear(nn.Module):
     compiled = None  # kvscope's compiled ops where a subclass's decode runs through them: it then defines
     # compiled_decode(x [..., K] float32 contiguous) -> [..., N] over self.kernel_args()
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
+
+    def takes_rows16(self) -> bool:
+        """Whether the compiled kernels read this weight in their 16-row layout (built for AVX-512 VNNI; the
+        output rows come in 16s)."""
+        return self.compiled is not None and self.out_features % ROW_BLOCK == 0 \
+            and self.compiled.int4_row_block() == ROW_BLOCK
+
     def kernel_args(self) -> tuple[torch.Tensor, ...]:
         """The tensors the compiled kernel reads, looked up once (a step calls the kernel hundreds of times;
         nn.Module attribute lookups cost more than the small ones)."""
@@ -149,8 +159,7 @@ class Int8Linear(WeightLinear):
         q = regrouped_for_kernel(q).with_float16_scales()  # a K-quant's exact scales regrouped, then rounded once
         self.group_size = q.group_size
         self.compiled = compiled_ops(q.codes) if self.in_features % 32 == 0 and self.group_size % 32 == 0 else None
-        self.rows16 = self.compiled is not None and self.out_features % ROW_BLOCK == 0 \
-            and self.compiled.int4_row_block() == ROW_BLOCK
+        self.rows16 = self.takes_rows16()
         codes, scales = int8_to_rows16(q) if self.rows16 else (q.codes.contiguous(), q.scales.contiguous())
         self.register_buffer("codes", codes)  # [N, K] int8 ([N/16, K/32, 512] in rows16)
         self.register_buffer("scales", scales)  # [N, G] float16 ([N/16, G, 16] in rows16)
@@ -215,14 +224,8 @@ class Int8Linear(WeightLinear):
         scales = scales[index].to(dtype)[..., None]  # [..., G, 1]
         return (codes.view(*codes.shape[:-1], -1, self.group_size) * scales).flatten(-2)
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.out_features, self.in_features
-
     def quantized(self) -> QuantizedWeight:
-        """The weight in the loaders' form (codes [N, K], scales [N, G])."""
-        if not self.rows16:
-            return QuantizedWeight(8, self.codes, self.scales)
+        """The weight in the loaders' form (codes [N, K], scales [N, G]; the held tensors where no layout differs)."""
         codes, scales = self._parts()
         return QuantizedWeight(8, codes.reshape(self.shape).contiguous(), scales)
 
@@ -253,8 +256,7 @@ class Int4Linear(WeightLinear):
         q = q.with_float16_scales()
         self.group_size = q.group_size
         self.compiled = compiled_ops(q.codes) if self.in_features % 32 == 0 else None
-        self.rows16 = self.compiled is not None and self.out_features % ROW_BLOCK == 0 \
-            and self.compiled.int4_row_block() == ROW_BLOCK
+        self.rows16 = self.takes_rows16()
         codes, scales, minimums = to_rows16(q) if self.rows16 else (q.codes, q.scales, q.minimums)
         self.register_buffer("scales", scales)  # [N, G] float16 ([N/16, G, 16] in rows16)
         self.register_buffer("minimums", minimums)  # the same
@@ -283,10 +285,6 @@ class Int4Linear(WeightLinear):
         self.kernel_name = "aten._weight_int4pack_mm_for_cpu (bfloat16 activations)"
         if torch.equal(unpack_cpu_int4pack(packed, *self.shape), codes):
             self.kernel_codes = None  # prefill reads the kernel's layout: no second copy
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.out_features, self.in_features
 
     def kernel_tensors(self):
         return self.kernel_codes, self.scales, self.minimums
