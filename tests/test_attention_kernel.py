@@ -42,15 +42,24 @@ def attend(q, keys, values, positions, block_size=16, seed=0):
                                    block_size, q_pos)
 
 
-def reference(q, keys, values, positions):
-    """softmax(q k / sqrt(D)) v in float64 over the stored keys and values, each row over keys 0..its position."""
+def reference(q, keys, values, positions, weighed=None):
+    """softmax(q k / sqrt(D)) v in float64 over the stored keys and values, each row over keys 0..its position;
+    `weighed`: what the values are weighed with instead of themselves (|v|: the size of the weighted sum)."""
     d = q.shape[-1]
     k, v = keys.double().repeat_interleave(HQ // HKV, 0), values.double().repeat_interleave(HQ // HKV, 0)
+    v = v if weighed is None else weighed(v)
     rows = []
     for t, p in enumerate(positions):
         scores = (q[0, :, t].double()[:, None, :] @ k[:, :p + 1].transpose(1, 2))[:, 0] / d ** 0.5
         rows.append((scores.softmax(-1)[:, None, :] @ v[:, :p + 1])[:, 0].reshape(-1))
     return torch.stack(rows)[None]
+
+
+def bfloat16_rounded(q: torch.Tensor) -> torch.Tensor:
+    """The query as a bfloat16 store's attention reads it: scaled by 1 / sqrt(D) in float32 and rounded to bfloat16,
+    as its keys are (here scaled back in float64)."""
+    scale = torch.tensor(q.shape[-1], dtype=torch.float32).rsqrt()
+    return (q * scale).bfloat16().double() / scale.double()
 
 
 def inputs(d: int, dtype: torch.dtype, rows: int = 1, seed: int = 0):
@@ -67,7 +76,14 @@ def test_the_compiled_attention_is_softmax_attention_for_every_head_size_and_sto
     q, keys, values = inputs(d, dtype, rows=4)
     positions = [0, 100, 256, TOKENS - 1]  # one key, a part of a tile, a tile and one key, two tiles
     out = attend(q, keys, values, positions)
-    torch.testing.assert_close(out.double(), reference(q, keys, values, positions), atol=2e-6, rtol=1e-5)
+    if dtype != torch.bfloat16:
+        torch.testing.assert_close(out.double(), reference(q, keys, values, positions), atol=2e-6, rtol=1e-5)
+        return
+    # bfloat16 stores meet a bfloat16 query and bfloat16 softmax weights (vdpbf16ps where the processor has it):
+    # each weight within 2^-9 of itself, so a value's sum within 2^-9 of the sum of p |v| (twice that allowed)
+    expected = reference(bfloat16_rounded(q), keys, values, positions)
+    bound = 2 ** -8 * reference(bfloat16_rounded(q), keys, values, positions, weighed=torch.abs) + 2e-6
+    assert ((out.double() - expected).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("dtype", FLOAT_STORES)

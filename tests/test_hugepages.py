@@ -90,3 +90,42 @@ def test_the_engines_weights_sit_in_one_arena_and_compute_what_they_did(tiny_con
     start, end = arena_span(packed.model)
     assert end - start <= sum(tensors.values()) + 64 * len(tensors)  # one arena, each tensor once
     assert anon_huge_kib(start, end) >= 2048
+
+
+# ---- the KV cache's stores
+
+
+@needs_thp
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8, torch.float32])
+def test_a_store_of_a_huge_page_or_more_is_zeros_on_huge_pages(dtype):
+    shape = (2, 3, 8192, 64)  # 3-12 MiB
+    store = hugepages.zeros(shape, dtype, "cpu")
+    assert store.shape == shape and store.dtype == dtype and store.is_contiguous()
+    assert not store.any()
+    store.fill_(1)  # touched: the kernel backs the advised range with huge pages
+    nbytes = store.numel() * store.element_size()
+    assert anon_huge_kib(store.data_ptr(), store.data_ptr() + nbytes) >= 2048
+
+
+def test_a_small_store_or_no_huge_pages_gives_plain_zeros(monkeypatch):
+    small = hugepages.zeros((4, 16, 64), torch.float16, "cpu")
+    assert small.shape == (4, 16, 64) and not small.any()
+    monkeypatch.setattr(hugepages, "available", lambda: False)
+    assert not hugepages.zeros((2, 3, 4096, 64), torch.bfloat16, "cpu").any()
+
+
+@needs_thp
+@pytest.mark.parametrize("kv", ["bfloat16", "int8", "int4"])
+def test_a_grown_paged_pools_large_chunks_sit_on_huge_pages(kv):
+    from engine.bench.common import make_cache, using_cache
+
+    engine = Engine.load(config=EngineConfig(cache="paged", weights="int4"))
+    cache = make_cache(engine, "paged", pool_tokens=4096, kv=kv)
+    ids = list(range(100, 1600))
+    cache.prepare(0, ids)
+    with using_cache(engine, cache):
+        engine.step([0], [ids])
+    largest = max(cache.storage_tensors(), key=lambda t: t.numel() * t.element_size())
+    nbytes = largest.numel() * largest.element_size()
+    assert nbytes >= 2 << 20
+    assert anon_huge_kib(largest.data_ptr(), largest.data_ptr() + nbytes) >= 2048

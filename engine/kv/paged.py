@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine import hugepages
 from engine.config import ConfigError
 from engine.kv.attention import FLOAT_STORES, KeyMap, attend, write
 from engine.kv.base import (
@@ -174,7 +175,7 @@ class PagedCache(KVCache):
         """The storage of a chunk of num_blocks blocks: keys and values, [L, Hkv, num_blocks * block_size, D]."""
         c = self.store_config
         shape = (c.num_layers, c.num_kv_heads, num_blocks * self.block_size, c.head_dim)
-        return [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(2)]
+        return [hugepages.zeros(shape, self.dtype, device) for _ in range(2)]
 
     def storage_tensors(self) -> list[torch.Tensor]:
         return [t for chunk in self.chunks for t in chunk]

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import hugepages
+
 SCALE_DTYPE = torch.float16
 _MIN_SCALE = 1e-5
 
@@ -180,7 +182,7 @@ class KVCodec:
             codes = (layers, heads, slots, head_dim // 2)
             shapes = [codes, codes, (layers, heads, blocks, key_params_bytes(head_dim)), (layers, heads, slots, 2)]
             dtypes = [torch.uint8, torch.uint8, torch.uint8, SCALE_DTYPE]
-        return [torch.zeros(s, dtype=d, device=device) for s, d in zip(shapes, dtypes)]
+        return [hugepages.zeros(s, d, device) for s, d in zip(shapes, dtypes)]
 
 
 INT8 = KVCodec("int8", 8, quantize_keys, dequantize_keys, quantize_values, dequantize_values)
