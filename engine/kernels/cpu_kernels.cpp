@@ -1472,16 +1472,18 @@ template <> struct Load32<c10::BFloat16> {
   }
 };
 
+// 32 lanes of two registers (x, y) in another order: a = lanes `index` of (x, y), b = lanes index + step
+inline void reorder32(__m512 x, __m512 y, __m512i index, int step, __m512& a, __m512& b) {
+  a = _mm512_permutex2var_ps(x, index, y);
+  b = _mm512_permutex2var_ps(x, _mm512_add_epi32(index, _mm512_set1_epi32(step)), y);
+}
+
 // 32 channels in order (x0: 0-15, x1: 16-31) <-> paired (a: even channels, b: odd ones)
 inline void to_pairs(__m512 x0, __m512 x1, __m512& a, __m512& b) {
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  a = _mm512_permutex2var_ps(x0, even, x1);
-  b = _mm512_permutex2var_ps(x0, _mm512_add_epi32(even, _mm512_set1_epi32(1)), x1);
+  reorder32(x0, x1, _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30), 1, a, b);
 }
 inline void from_pairs(__m512 a, __m512 b, __m512& x0, __m512& x1) {
-  const __m512i low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  x0 = _mm512_permutex2var_ps(a, low, b);
-  x1 = _mm512_permutex2var_ps(a, _mm512_add_epi32(low, _mm512_set1_epi32(8)), b);
+  reorder32(a, b, _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23), 8, x0, x1);
 }
 
 // the horizontal maxima (MAX) or sums of four registers -> lanes 0..3, in one fixed order
@@ -1637,14 +1639,10 @@ __attribute__((always_inline)) inline void score_four_keys_bf16(const float* con
 
 // 32 channels in order (x0: 0-15, x1: 16-31) <-> vpunpck{l,h}wd's (lo: 0-3, 8-11, 16-19, 24-27; hi: the others)
 inline void to_word_pairs(__m512 x0, __m512 x1, __m512& lo, __m512& hi) {
-  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
-  lo = _mm512_permutex2var_ps(x0, first, x1);
-  hi = _mm512_permutex2var_ps(x0, _mm512_add_epi32(first, _mm512_set1_epi32(4)), x1);
+  reorder32(x0, x1, _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27), 4, lo, hi);
 }
 inline void from_word_pairs(__m512 lo, __m512 hi, __m512& x0, __m512& x1) {
-  const __m512i back = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  x0 = _mm512_permutex2var_ps(lo, back, hi);
-  x1 = _mm512_permutex2var_ps(lo, _mm512_add_epi32(back, _mm512_set1_epi32(8)), hi);
+  reorder32(lo, hi, _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23), 8, x0, x1);
 }
 
 // weigh_rows_512 for bfloat16 values, C (1 or 2) groups of 32 channels from c; w[u]: vector u's weights as
