@@ -7,12 +7,13 @@ torch's allocator asks only when THP_MEM_ALLOC_ENABLE is set, and only for a ten
 projections are far smaller, one mapping each, which the kernel never backs with huge pages. `pack_buffers`
 moves every parameter and buffer of a model into one advised arena, a fresh private mapping, each tensor a view
 of it at a 64-byte offset (measured on a 2-core EPYC VM, the default model in int4, two engines alternating in
-one process: a step 8% faster at 512 tokens on one thread, 6% on two, 7% at 4,096). The KV cache's stores of
-2 MiB or more come from `zeros`, advised the same way: attention reads a store's rows (128 bytes for a bfloat16
-head of 64) a page every 32 rows on small pages (the same VM, one thread, a paged pool at 4,096 tokens, pools on
-either kind of pages alternating in one process: the bfloat16 attention alone 0.86x the time, whole steps 0.94x
-with a bfloat16 cache, 0.97x int8, 1.00x int4). Elsewhere (no such Linux, another device, a refused call)
-nothing moves or changes.
+one process: a step 8% faster at 512 tokens on one thread, 6% on two, 7% at 4,096). A paged pool's chunks of
+2 MiB or more come from `zeros`, advised the same way (a contiguous reservation does not: its first row in each
+layer and head would make the whole reservation resident, where small pages hold what was written): attention
+reads a store's rows (128 bytes for a bfloat16 head of 64) a page every 32 rows on small pages (the same VM, one
+thread, a paged pool at 4,096 tokens, pools on either kind of pages alternating in one process: the bfloat16
+attention alone 0.86x the time, whole steps 0.94x with a bfloat16 cache, 0.97x int8, 1.00x int4). Elsewhere (no
+such Linux, another device, a refused call) nothing moves or changes.
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ def _aligned_arena(nbytes: int) -> torch.Tensor:
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """torch.zeros(shape), on huge pages where it is CPU memory of at least one and Linux offers them: a KV cache's
-    stores, which attention reads row by row, a page every 32 rows of 128 bytes on small pages."""
+    """torch.zeros(shape), on huge pages where it is CPU memory of at least one and Linux offers them: a paged KV
+    pool's chunks, which attention reads row by row, a page every 32 rows of 128 bytes on small pages."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if torch.device(device).type != "cpu" or nbytes < HUGE or not available():
         return torch.zeros(shape, dtype=dtype, device=device)

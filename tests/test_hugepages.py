@@ -129,3 +129,25 @@ def test_a_grown_paged_pools_large_chunks_sit_on_huge_pages(kv):
     nbytes = largest.numel() * largest.element_size()
     assert nbytes >= 2 << 20
     assert anon_huge_kib(largest.data_ptr(), largest.data_ptr() + nbytes) >= 2048
+
+
+@needs_thp
+def test_a_contiguous_reservation_is_not_advised_so_only_what_was_written_is_resident():
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        if "[always]" in f.read():
+            pytest.skip("every mapping may get huge pages here, advised or not")
+    from engine.bench.common import make_cache, using_cache
+
+    engine = Engine.load(config=EngineConfig(cache="contiguous", weights="int4"))
+    for kv in ("bfloat16", "int8"):
+        cache = make_cache(engine, "contiguous", kv=kv)
+        ids = list(range(100, 140))
+        cache.prepare(0, ids)
+        with using_cache(engine, cache):
+            engine.step([0], [ids])
+        held = cache.reservations[0]
+        stores = getattr(held, "tensors", None) or (held.k, held.v)
+        large = [t for t in stores if t.numel() * t.element_size() >= 2 << 20]
+        assert large  # the codes or rows: large enough to be advised, had they been
+        for t in large:
+            assert anon_huge_kib(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) == 0, kv

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine import hugepages
 from engine.kv.attention import KeyMap, attend, write
 from engine.kv.base import KVCache, KVCacheFull, KVStats, StepView
 from engine.kv.paged import common_prefix_length
@@ -83,8 +82,8 @@ class ContiguousCache(KVCache):
         c = self.store_config
         shape = (c.num_layers, c.num_kv_heads, capacity, c.head_dim)
         self.reservations[seq_id] = Reservation(
-            hugepages.zeros(shape, self.dtype, self.device),
-            hugepages.zeros(shape, self.dtype, self.device),
+            torch.empty(shape, dtype=self.dtype, device=self.device),
+            torch.empty(shape, dtype=self.dtype, device=self.device),
         )
         self._start_window(seq_id)
         return 0
@@ -130,7 +129,7 @@ class ContiguousCache(KVCache):
         (a branch of a conversation, or a new conversation from a shared system prompt)."""
         buf, n = self.reservations[src], self.reservations[src].length
         self.release(dst)
-        copy = Reservation(*(hugepages.zeros(t.shape, t.dtype, t.device) for t in (buf.k, buf.v)), n, list(buf.tokens))
+        copy = Reservation(torch.empty_like(buf.k), torch.empty_like(buf.v), n, list(buf.tokens))
         copy.k[:, :, :n] = buf.k[:, :, :n]  # [L, Hkv, n, D]
         copy.v[:, :, :n] = buf.v[:, :, :n]
         self.reservations[dst] = copy

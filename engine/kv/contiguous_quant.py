@@ -112,7 +112,7 @@ class ContiguousQuantCache(ContiguousCache):
         self.release(seq_id)
         c = self.store_config
         tensors = self.codec.storage(c.num_layers, c.num_kv_heads, capacity // self.group, self.group, c.head_dim,
-                                     self.device)
+                                     self.device, huge_pages=False)
         self.reservations[seq_id] = QuantReservation(tensors)
         self.state.start(seq_id, upto=0)
         self._start_window(seq_id)

@@ -170,9 +170,10 @@ class KVCodec:
     dequantize_values: Callable
 
     def storage(self, layers: int, heads: int, blocks: int, block_size: int, head_dim: int,
-                device: torch.device | str) -> list[torch.Tensor]:
+                device: torch.device | str, huge_pages: bool = True) -> list[torch.Tensor]:
         """Zeroed key codes, value codes [L, H, slots, W]; key params [L, H, blocks, D] (int8: float16 scales; int4:
-        uint8, 2D + 4 bytes); value params [L, H, slots, (2)]."""
+        uint8, 2D + 4 bytes); value params [L, H, slots, (2)]. huge_pages: on huge pages where offered (a paged
+        pool's chunk, filled as it is used; not a contiguous reservation, which they would make resident whole)."""
         slots = blocks * block_size
         if self.bits == 8:
             codes = (layers, heads, slots, head_dim)
@@ -182,7 +183,8 @@ class KVCodec:
             codes = (layers, heads, slots, head_dim // 2)
             shapes = [codes, codes, (layers, heads, blocks, key_params_bytes(head_dim)), (layers, heads, slots, 2)]
             dtypes = [torch.uint8, torch.uint8, torch.uint8, SCALE_DTYPE]
-        return [hugepages.zeros(s, d, device) for s, d in zip(shapes, dtypes)]
+        zeros = hugepages.zeros if huge_pages else lambda s, d, device: torch.zeros(s, dtype=d, device=device)
+        return [zeros(s, d, device) for s, d in zip(shapes, dtypes)]
 
 
 INT8 = KVCodec("int8", 8, quantize_keys, dequantize_keys, quantize_values, dequantize_values)
