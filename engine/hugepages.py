@@ -1,4 +1,4 @@
-"""The model's weights and its KV cache on transparent huge pages (2 MiB), where Linux offers them on request.
+"""The model's weights and a paged KV pool's chunks on transparent huge pages (2 MiB), where Linux offers them.
 
 A decode step streams every weight once. On 4 KiB pages that stream crosses a page every 64 cache lines, and
 under a virtual machine every TLB miss walks two page tables. Many distributions (Debian and Ubuntu among them)
