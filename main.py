@@ -114,8 +114,8 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--max-concurrency", type=int, default=16, help="requests in the running batch at most")
     serve.add_argument("--prefill-rows-while-decoding", type=int, default=None, metavar="N",
                        help="prompt tokens a tick prefills while other requests decode, with a float KV cache "
-                       "(fewer: smaller gaps between the running streams' tokens, a later first token for the new "
-                       "prompt; default 4)")
+                       "(default 1: one token per prefilling request, inside the decode step's forward; more: a "
+                       "prefill step of its own, larger gaps between the running streams' tokens)")
     serve.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health")
     serve.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
                        help="the largest request body accepted, in bytes; larger ones get a 413 (default: "

@@ -323,3 +323,34 @@ def test_bad_input_is_refused_with_a_clear_error(tiny_engine_factory):
         Scheduler(tiny_engine_factory(pool_tokens=64))
     with pytest.raises(ConfigError):
         SchedulerConfig(max_concurrency=0)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+def test_while_a_stream_decodes_a_new_prompt_rides_in_its_step_one_token_a_tick(tiny_engine_factory, kv_dtype):
+    """One prefill row a tick (the default while others decode, float caches) joins the decode step: one forward a
+    tick, no step of its own, and the new request's tokens are those it gets alone."""
+    def fresh():
+        engine = tiny_engine_factory(kv_dtype=kv_dtype)
+        feeds_seen = []
+        step = engine.step
+        engine.step = lambda ids, feeds, **kw: feeds_seen.append([len(f) for f in feeds]) or step(ids, feeds, **kw)
+        return Scheduler(engine, SchedulerConfig(step_rows=16)), feeds_seen
+
+    alone, _ = fresh()
+    col, (alone_id,) = run_all(alone, prompts(1, [40], seed=2), greedy(6))
+    sched, fed = fresh()
+    col2 = Collector()
+    first = sched.submit(prompts(1, [40])[0], greedy(60), col2.sink)
+    while not col2.outputs.get(first):
+        sched.tick()
+    later = sched.submit(prompts(1, [40], seed=2)[0], greedy(6), col2.sink)
+    fed.clear()
+    ticks = 0
+    while not col2.outputs.get(later):
+        sched.tick()
+        ticks += 1
+    assert fed == [[1, 1]] * ticks  # one forward a tick: the stream's token and one prompt token
+    assert ticks == 40
+    while not col2.done(later):
+        sched.tick()
+    assert col2.tokens(later) == col.tokens(alone_id)
