@@ -628,6 +628,11 @@ constexpr int64_t ROW_BLOCK_BYTES = ROW_BLOCK * QK / 2;
 // L1 ran at ~15 GB/s, 16 KiB ahead into L2 at ~21 GB/s (the memory's own speed then); no prefetch ~13 GB/s
 constexpr int64_t ROWS16_PREFETCH = 16384;
 
+// the cache lines of [p, p + bytes) `distance` bytes further on, into L2 (a 16-row kernel's stream, read ahead)
+__attribute__((always_inline)) inline void prefetch_ahead(const void* p, int64_t bytes, int64_t distance) {
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + distance + off, _MM_HINT_T1);
+}
+
 // The 16-row kernels' frame: for each group of 16 weight rows in [g0, g1), f(gi, acc) adds its blocks into acc (M
 // registers, one an activation row, zeroed first); then each row's 16 outputs = acc * d_x
 template <int M, typename F>
@@ -661,9 +666,6 @@ __attribute__((noinline)) void int4_groups16(const uint8_t* c, const uint16_t* s
   constexpr int A = M == 1 ? 4 : M <= 3 ? 2 : 1;  // int32 accumulators a row: chains of dpwssd side by side
   const __m512i low = _mm512_set1_epi16(0x0F);
   const int16_t* q = x.q.data() + r0 * k;
-  auto ahead = [](const void* p, int64_t bytes) {
-    _mm_prefetch(static_cast<const char*>(p) + bytes, _MM_HINT_T1);
-  };
   each_row_group16<M>(x, r0, out, g0, g1, n, [&](int64_t gi, std::array<__m512, M>& acc) {
     const uint8_t* cg = c + gi * nb * ROW_BLOCK_BYTES;
     const uint16_t* sg = sc + gi * groups * ROW_BLOCK;
@@ -671,8 +673,9 @@ __attribute__((noinline)) void int4_groups16(const uint8_t* c, const uint16_t* s
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* cb = cg + b * ROW_BLOCK_BYTES;
       const uint16_t *sb = sg + (b * QK / G) * ROW_BLOCK, *mb = mg + (b * QK / G) * ROW_BLOCK;
-      for (int l = 0; l < 4; ++l) ahead(cb + 64 * l, ROWS16_PREFETCH);
-      if (b % 2 == 0) ahead(sb, ROWS16_PREFETCH / 8), ahead(mb, ROWS16_PREFETCH / 8);  // 32 bytes a block each
+      prefetch_ahead(cb, ROW_BLOCK_BYTES, ROWS16_PREFETCH);
+      if (b % 2 == 0)  // 32 bytes a block each
+        prefetch_ahead(sb, 1, ROWS16_PREFETCH / 8), prefetch_ahead(mb, 1, ROWS16_PREFETCH / 8);
       std::array<std::array<__m512i, A>, M> sums;
       for (auto& row : sums) row.fill(_mm512_setzero_si512());
       const int64_t h0 = half_at(b, 0, nb), h1 = half_at(b, 1, nb);
@@ -747,9 +750,9 @@ __attribute__((noinline)) void int8_groups16(const int8_t* c, const uint16_t* sc
     const uint16_t* sg = sc + gi * groups * ROW_BLOCK;
     for (int64_t b = 0; b < nb; ++b) {
       const int8_t* cb = cg + b * INT8_BLOCK_BYTES;
-      for (int l = 0; l < 8; ++l) _mm_prefetch(reinterpret_cast<const char*>(cb) + 64 * l + ROWS16_PREFETCH, _MM_HINT_T1);
+      prefetch_ahead(cb, INT8_BLOCK_BYTES, ROWS16_PREFETCH);
       const uint16_t* sb = sg + (b / per) * ROW_BLOCK;
-      if (b % per == 0) _mm_prefetch(reinterpret_cast<const char*>(sb) + ROWS16_PREFETCH / 16, _MM_HINT_T1);
+      if (b % per == 0) prefetch_ahead(sb, 1, ROWS16_PREFETCH / 16);
       std::array<std::array<__m512i, A>, M> sums;
       for (auto& row : sums) row.fill(_mm512_setzero_si512());
       const int64_t h[2] = {half_at(b, 0, nb), half_at(b, 1, nb)};

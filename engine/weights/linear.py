@@ -348,22 +348,31 @@ def to_rows16(q: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     uint8, byte 32j + 2r + e of a block = code 2j + e of row r (low nibble) | code 2j + 16 + e (high); scales
     and minimums [N/16, G, 16] float16."""
     n, k = q.shape
-    groups = q.scales.shape[1]
     codes = q.unpacked_codes().view(n // ROW_BLOCK, ROW_BLOCK, k // 32, 2, 8, 2)  # [N/16, r, block, half, j, e]
     codes = codes.permute(0, 2, 4, 1, 5, 3)  # [N/16, block, j, r, e, half]
     packed = (codes[..., 0] | (codes[..., 1] << 4)).reshape(n // ROW_BLOCK, k // 32, 256)
-    return (packed.contiguous(), *(t.view(n // ROW_BLOCK, ROW_BLOCK, groups).transpose(1, 2).contiguous()
-                                   for t in (q.scales, q.minimums)))
+    return packed.contiguous(), params_to_rows16(q.scales), params_to_rows16(q.minimums)
+
+
+def params_to_rows16(params: torch.Tensor) -> torch.Tensor:
+    """Per-group scales or minimums [N, G] -> the 16-row layout's [N/16, G, 16] (a group's 16 rows side by side)."""
+    n, groups = params.shape
+    return params.view(n // ROW_BLOCK, ROW_BLOCK, groups).transpose(1, 2).contiguous()
+
+
+def params_from_rows16(params: torch.Tensor) -> torch.Tensor:
+    """params_to_rows16 undone: [N/16, G, 16] -> [N, G]."""
+    row_groups, groups, _ = params.shape
+    return params.transpose(1, 2).reshape(row_groups * ROW_BLOCK, groups)
 
 
 def rows16_parts(codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor):
     """to_rows16 undone, as plain parts: codes [N/16, 16, K/32, 2, 8, 2] (a strided view: [N, K] once reshaped),
     scales and minimums [N, G]."""
     row_groups, blocks, _ = codes.shape
-    n, groups = row_groups * ROW_BLOCK, scales.shape[1]
     both = torch.stack([codes & 15, codes >> 4], -1).view(row_groups, blocks, 8, ROW_BLOCK, 2, 2)
     plain = both.permute(0, 3, 1, 5, 2, 4)  # [N/16, block, j, r, e, half] -> [N/16, r, block, half, j, e]
-    return plain, *(t.transpose(1, 2).reshape(n, groups) for t in (scales, minimums))
+    return plain, params_from_rows16(scales), params_from_rows16(minimums)
 
 
 def int8_to_rows16(q: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -371,15 +380,14 @@ def int8_to_rows16(q: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     int8, byte 32j + 2r + e of a block = code 2j + e of row r; scales [N/16, G, 16] float16."""
     n, k = q.shape
     codes = q.codes.view(n // ROW_BLOCK, ROW_BLOCK, k // 32, 16, 2).permute(0, 2, 3, 1, 4)  # [N/16, block, j, r, e]
-    scales = q.scales.view(n // ROW_BLOCK, ROW_BLOCK, -1).transpose(1, 2)
-    return codes.reshape(n // ROW_BLOCK, k // 32, 512).contiguous(), scales.contiguous()
+    return codes.reshape(n // ROW_BLOCK, k // 32, 512).contiguous(), params_to_rows16(q.scales)
 
 
 def int8_rows16_parts(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8_to_rows16 undone: codes [N/16, 16, K/32, 16, 2] (a strided view: [N, K] once reshaped), scales [N, G]."""
     row_groups, blocks, _ = codes.shape
     plain = codes.view(row_groups, blocks, 16, ROW_BLOCK, 2).permute(0, 3, 1, 2, 4)  # -> [N/16, r, block, j, e]
-    return plain, scales.transpose(1, 2).reshape(row_groups * ROW_BLOCK, scales.shape[1])
+    return plain, params_from_rows16(scales)
 
 
 def dequantize_codes(codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor | None, dtype: torch.dtype,
