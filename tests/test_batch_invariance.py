@@ -55,14 +55,15 @@ WEIGHTS = {
 
 
 @pytest.mark.parametrize("fmt", list(WEIGHTS))
-@pytest.mark.parametrize("k", [128, 576, 1536])  # the default model's widths: int4 minimums over 18 and 48 groups
-def test_a_decode_projection_gives_each_row_the_same_bits_for_1_to_16_rows(fmt, k):
+# the default model's widths (int4 minimums over 18 and 48 groups); 1,024 rows of 1,536: a job in several spans
+@pytest.mark.parametrize("k, n", [(128, 200), (576, 48), (1536, 48), (1536, 1024)])
+def test_a_decode_projection_gives_each_row_the_same_bits_for_1_to_16_rows(fmt, k, n):
     torch.manual_seed(0)
-    module = build_linear(WEIGHTS[fmt](torch.randn(200 if k == 128 else 48, k) * 0.05))
+    module = build_linear(WEIGHTS[fmt](torch.randn(n, k) * 0.05))
     assert module.kernel_name.startswith("kvscope.")
     x = torch.randn(16, k)
     alone = torch.cat([module(x[i:i + 1]) for i in range(16)])
-    for rows in range(2, 17):  # groups of 8, then 4, 3, 2 or 1 rows: every split the kernels make
+    for rows in range(2, 17):  # a group of up to 8 rows, then what is left: every split the kernels make
         assert torch.equal(module(x[:rows]), alone[:rows]), rows
 
 

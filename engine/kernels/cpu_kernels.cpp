@@ -288,23 +288,32 @@ inline void with_rows(int64_t m, F f) {
     case 2: return f(std::integral_constant<int, 2>{});
     case 3: return f(std::integral_constant<int, 3>{});
     case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
     case 8: return f(std::integral_constant<int, 8>{});
     default: return f(std::integral_constant<int, 0>{});
   }
 }
 
-// f(r0, std::integral_constant<int, M>) for the activation rows [r0, r0 + M) of m, in groups of 8 and what is left
-// as 4, 3, 2 or 1: every group a compiled row count, each row computed alone within its group (so the same bits
-// for any m); each later group reads the chunk's weight rows again, from the caches
+constexpr int64_t SPAN_BYTES = 256 << 10;  // the weights a span of a job holds: a later group of rows finds them in L2
+
+// f(r0, std::integral_constant<int, M>, u0, u1) for the activation rows [r0, r0 + M) of m, in groups of 8 and what
+// is left (1 to 7): every group a compiled row count, each row computed alone within its group (so the same bits
+// for any m). Where m takes more than one group, a job's weight units [w0, w1) (unit_bytes each) go in spans of
+// SPAN_BYTES, every group over one span before the next: a later group reads the span's weights from L2 (the
+// whole job's again, an 8-row group then a 1-row one took 1.6x the int8 head's time of one 5-row group).
 template <typename F>
-inline void in_row_groups(int64_t m, F f) {
-  for (int64_t r0 = 0; r0 < m;) {
-    int64_t left = m - r0, take = left >= 8 ? 8 : std::min<int64_t>(left, 4);
-    with_rows(take, [&](auto rows_m) {
-      if constexpr (decltype(rows_m)::value > 0) f(r0, rows_m);
-    });
-    r0 += take;
-  }
+inline void in_row_groups(int64_t m, int64_t w0, int64_t w1, int64_t unit_bytes, F f) {
+  int64_t span = m <= 8 ? w1 - w0 : std::max<int64_t>(1, SPAN_BYTES / unit_bytes);
+  for (int64_t u0 = w0; u0 < w1; u0 += span)
+    for (int64_t r0 = 0; r0 < m;) {
+      int64_t take = std::min<int64_t>(m - r0, 8);
+      with_rows(take, [&](auto rows_m) {
+        if constexpr (decltype(rows_m)::value > 0) f(r0, rows_m, u0, std::min(w1, u0 + span));
+      });
+      r0 += take;
+    }
 }
 
 // the start of the cache line that holds p
@@ -663,7 +672,7 @@ __attribute__((noinline)) void int4_groups16(const uint8_t* c, const uint16_t* s
                                              const QuantizedRows& x, int64_t r0, const float* xsg, float* out,
                                              int64_t g0, int64_t g1, int64_t n) {
   const int64_t nb = k / QK, groups = k / G;
-  constexpr int A = M == 1 ? 4 : M <= 3 ? 2 : 1;  // int32 accumulators a row: chains of dpwssd side by side
+  constexpr int A = M == 1 ? 4 : M <= 7 ? 2 : 1;  // int32 accumulators a row: chains of dpwssd side by side
   const __m512i low = _mm512_set1_epi16(0x0F);
   const int16_t* q = x.q.data() + r0 * k;
   each_row_group16<M>(x, r0, out, g0, g1, n, [&](int64_t gi, std::array<__m512, M>& acc) {
@@ -723,9 +732,9 @@ at::Tensor int4_linear16(const at::Tensor& input, const at::Tensor& codes, const
   const uint16_t* mn = reinterpret_cast<const uint16_t*>(minimums.data_ptr<at::Half>());
   float* out = y.data_ptr<float>();
   parallel_chunks(row_groups, two_a_thread(row_groups, 4), [&](int64_t g0, int64_t g1) {
-    in_row_groups(m, [&](int64_t r0, auto rows_m) {
+    in_row_groups(m, g0, g1, nb * ROW_BLOCK_BYTES, [&](int64_t r0, auto rows_m, int64_t u0, int64_t u1) {
       constexpr int M = decltype(rows_m)::value;
-      (g == 32 ? int4_groups16<M, 32> : int4_groups16<M, 64>)(c, sc, mn, k, rows, r0, xsg.data(), out, g0, g1, n);
+      (g == 32 ? int4_groups16<M, 32> : int4_groups16<M, 64>)(c, sc, mn, k, rows, r0, xsg.data(), out, u0, u1, n);
     });
   });
   return y.view(out_sizes);
@@ -743,7 +752,7 @@ __attribute__((noinline)) void int8_groups16(const int8_t* c, const uint16_t* sc
                                              const QuantizedRows& x, int64_t r0, float* out, int64_t g0, int64_t g1,
                                              int64_t n) {
   const int64_t nb = k / QK, per = nb / groups;  // blocks a scale group
-  constexpr int A = M == 1 ? 4 : M <= 3 ? 2 : 1;  // int32 accumulators a row: chains of dpwssd side by side
+  constexpr int A = M == 1 ? 4 : M <= 7 ? 2 : 1;  // int32 accumulators a row: chains of dpwssd side by side
   const int16_t* q = x.q.data() + r0 * k;
   each_row_group16<M>(x, r0, out, g0, g1, n, [&](int64_t gi, std::array<__m512, M>& acc) {
     const int8_t* cg = c + gi * nb * INT8_BLOCK_BYTES;
@@ -786,8 +795,8 @@ at::Tensor int8_linear16(const at::Tensor& input, const at::Tensor& codes, const
   const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   float* out = y.data_ptr<float>();
   parallel_chunks(row_groups, two_a_thread(row_groups, 4), [&](int64_t g0, int64_t g1) {
-    in_row_groups(m, [&](int64_t r0, auto rows_m) {
-      int8_groups16<decltype(rows_m)::value>(c, sc, k, groups, rows, r0, out, g0, g1, n);
+    in_row_groups(m, g0, g1, nb * INT8_BLOCK_BYTES, [&](int64_t r0, auto rows_m, int64_t u0, int64_t u1) {
+      int8_groups16<decltype(rows_m)::value>(c, sc, k, groups, rows, r0, out, u0, u1, n);
     });
   });
   return y.view(out_sizes);
@@ -829,10 +838,10 @@ at::Tensor int4_linear(const at::Tensor& input, const at::Tensor& codes, const a
   parallel_chunks(n, grain_for(n), [&](int64_t n0, int64_t n1) {
     std::vector<float> dw(groups), mw(groups);
 #if defined(KVSCOPE_AVX512)
-    return in_row_groups(m, [&](int64_t r0, auto rows_m) {
+    return in_row_groups(m, n0, n1, k / 2, [&](int64_t r0, auto rows_m, int64_t u0, int64_t u1) {
       constexpr int M = decltype(rows_m)::value;
       (g == 32 ? int4_rows<M, 32> : int4_rows<M, 64>)(c, sc, mn, k, rows, r0, xsg.data(), xsg_by_group.data(), out,
-                                                      n0, n1, n, dw.data(), mw.data());
+                                                      u0, u1, n, dw.data(), mw.data());
     });
 #endif
     for (int64_t row = n0; row < n1; ++row) {
@@ -919,8 +928,8 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes, const a
     int64_t nb = k / QK, per = g / QK;
     std::vector<float> dw(groups), blocks(per > 1 ? nb : 0);  // a group's scale, then each block's (no division
 #if defined(KVSCOPE_AVX512)                                    // in the kernel's loop)
-    return in_row_groups(m, [&](int64_t r0, auto rows_m) {
-      int8_rows<decltype(rows_m)::value>(c, sc, k, groups, per, rows, r0, out, n0, n1, n, dw.data(), blocks.data());
+    return in_row_groups(m, n0, n1, k, [&](int64_t r0, auto rows_m, int64_t u0, int64_t u1) {
+      int8_rows<decltype(rows_m)::value>(c, sc, k, groups, per, rows, r0, out, u0, u1, n, dw.data(), blocks.data());
     });
 #endif
     for (int64_t row = n0; row < n1; ++row) {

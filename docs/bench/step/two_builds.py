@@ -7,9 +7,10 @@ side by side: the revision's `cpu_kernels.cpp` is compiled under another op name
 engines are loaded, each holding one build's ops, and their steps alternate (TURN at a time, the order reversed
 every other round, the first round discarded), each on its own paged pool (blocks of 16) prefilled to the context.
 
-Run: .venv/bin/python docs/bench/step/two_builds.py REV [CONTEXT] [THREADS] [ROUNDS] [KV,KV,...]
-(defaults: 4096 tokens, 1 thread, 9 rounds, float16,bfloat16,int8,int4). Prints each precision's median step
-(and its minimum) for both builds and the ratio working tree / revision."""
+Run: .venv/bin/python docs/bench/step/two_builds.py REV [CONTEXT] [THREADS] [ROUNDS] [KV,KV,...] [SEQUENCES]
+(defaults: 4096 tokens, 1 thread, 9 rounds, float16,bfloat16,int8,int4, 1 sequence; with more, each step decodes
+that many sequences of CONTEXT tokens at once). Prints each precision's median step (and its minimum) for both
+builds and the ratio working tree / revision."""
 
 import functools
 import re
@@ -49,17 +50,18 @@ def load_revision(rev: str) -> object:
     return getattr(torch.ops, name)
 
 
-def runners(ops: object, kvs: list[str], context: int) -> dict[str, tuple]:
-    """An engine whose kernels are `ops`, a prefilled pool per precision (its layers' plans made now)."""
+def runners(ops: object, kvs: list[str], context: int, sequences: int) -> dict[str, tuple]:
+    """An engine whose kernels are `ops`, a pool per precision with `sequences` prefilled (plans made now)."""
     kernels._load = functools.cache(lambda: ops)  # the engine looks its ops up as it loads and plans
     engine = Engine.load(config=EngineConfig(cache="paged", weights="int4"))
     ids = random_ids(context + TURN, engine.model_config.vocab_size)
     out = {}
     for kv in kvs:
-        cache = make_cache(engine, "paged", block_size=16, pool_tokens=context + 2 * TURN, kv=kv)
+        cache = make_cache(engine, "paged", block_size=16, pool_tokens=sequences * (context + 2 * TURN), kv=kv)
         with using_cache(engine, cache):
-            cache.prepare(0, ids[:context])
-            prefill(engine, 0, ids[:context])
+            for seq in range(sequences):
+                cache.prepare(seq, ids[:context])
+                prefill(engine, seq, ids[:context])
         out[kv] = (engine, cache)
     return out
 
@@ -68,11 +70,13 @@ def main() -> None:
     rev = sys.argv[1]
     context, threads, rounds = (int(a) for a in (sys.argv[2:5] + ["4096", "1", "9"][len(sys.argv[2:5]):]))
     kvs = (sys.argv[5] if len(sys.argv) > 5 else "float16,bfloat16,int8,int4").split(",")
+    seqs = list(range(int(sys.argv[6]) if len(sys.argv) > 6 else 1))
     torch.set_num_threads(threads)
     current = kernels.ops()
     if current is None:
         raise SystemExit("the working tree's kernels are not built here")
-    builds = {"tree": runners(current, kvs, context), rev: runners(load_revision(rev), kvs, context)}
+    builds = {"tree": runners(current, kvs, context, len(seqs)),
+              rev: runners(load_revision(rev), kvs, context, len(seqs))}
     order = [(build, kv) for build in builds for kv in kvs]
     times = {key: [] for key in order}
     for r in range(rounds):
@@ -81,15 +85,16 @@ def main() -> None:
             with using_cache(engine, cache):
                 for i in range(TURN):
                     start = time.perf_counter()
-                    engine.step([0], [[7 + i]])
+                    engine.step(seqs, [[7 + i]] * len(seqs))
                     if r:
                         times[(build, kv)].append(time.perf_counter() - start)
-                    cache.truncate(0, context)
+                    for seq in seqs:
+                        cache.truncate(seq, context)
     for kv in kvs:
         tree, old = (statistics.median(times[(b, kv)]) * 1e3 for b in builds)
         lows = [min(times[(b, kv)]) * 1e3 for b in builds]
-        print(f"{context} tokens, {threads}t, {kv}: tree {tree:.2f} ms (min {lows[0]:.2f}), {rev} {old:.2f} ms "
-              f"(min {lows[1]:.2f}): {tree / old:.3f}x")
+        print(f"{len(seqs)} x {context} tokens, {threads}t, {kv}: tree {tree:.2f} ms (min {lows[0]:.2f}), "
+              f"{rev} {old:.2f} ms (min {lows[1]:.2f}): {tree / old:.3f}x")
 
 
 if __name__ == "__main__":
