@@ -656,6 +656,13 @@ __attribute__((always_inline)) inline void each_row_group16(const QuantizedRows&
   }
 }
 
+// acc + codes times the pair of int16 at p in every lane: vpdpwssd's embedded broadcast (the load unit repeats
+// it); GCC emitted most as a vpbroadcastd and a vpdpwssd, measured 3-5% of a projection's time at 1 to 16 rows
+__attribute__((always_inline)) inline __m512i dpwssd_broadcast(__m512i acc, __m512i codes, const int16_t* p) {
+  asm("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(codes), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
+}
+
 // acc[i] = fma(row i's block sums (its A chains of int32 added), the 16 rows' scales, acc[i])
 template <int M, int A>
 __attribute__((always_inline)) inline void add_block(const std::array<std::array<__m512i, A>, M>& sums, __m512 scale,
@@ -693,13 +700,10 @@ __attribute__((noinline)) void int4_groups16(const uint8_t* c, const uint16_t* s
         __m512i t = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 32 * j)));
         __m512i first = _mm512_and_si512(t, low), second = _mm512_srli_epi16(t, 4);  // codes 2j.., 2j + 16..
         for (int i = 0; i < M; ++i) {
-          int32_t p0, p1;  // the activation pairs (2j, 2j + 1) and (2j + 16, 2j + 17) of the block
-          std::memcpy(&p0, q + i * k + h0 + 2 * j, 4);
-          std::memcpy(&p1, q + i * k + h1 + 2 * j, 4);
-          auto& s0 = sums[i][j % A];
+          auto& s0 = sums[i][j % A];  // the activation pairs (2j, 2j + 1) and (2j + 16, 2j + 17) of the block
           auto& s1 = sums[i][(j + A / 2) % A];
-          s0 = _mm512_dpwssd_epi32(s0, first, _mm512_set1_epi32(p0));
-          s1 = _mm512_dpwssd_epi32(s1, second, _mm512_set1_epi32(p1));
+          s0 = dpwssd_broadcast(s0, first, q + i * k + h0 + 2 * j);
+          s1 = dpwssd_broadcast(s1, second, q + i * k + h1 + 2 * j);
         }
       }
       add_block<M, A>(sums, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb))), acc);
@@ -768,11 +772,8 @@ __attribute__((noinline)) void int8_groups16(const int8_t* c, const uint16_t* sc
 #pragma GCC unroll 16
       for (int j = 0; j < 16; ++j) {  // codes 2j, 2j + 1 of each row: the block's half j / 8, pair j % 8
         __m512i codes = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 32 * j)));
-        for (int i = 0; i < M; ++i) {
-          int32_t pair;
-          std::memcpy(&pair, q + i * k + h[j / 8] + 2 * (j % 8), 4);
-          sums[i][j % A] = _mm512_dpwssd_epi32(sums[i][j % A], codes, _mm512_set1_epi32(pair));
-        }
+        for (int i = 0; i < M; ++i)
+          sums[i][j % A] = dpwssd_broadcast(sums[i][j % A], codes, q + i * k + h[j / 8] + 2 * (j % 8));
       }
       add_block<M, A>(sums, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb))), acc);
     }
