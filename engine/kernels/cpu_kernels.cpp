@@ -642,6 +642,14 @@ __attribute__((always_inline)) inline void prefetch_ahead(const void* p, int64_t
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + distance + off, _MM_HINT_T1);
 }
 
+// acc + codes times the pair of int16 at p in every lane: vpdpwssd's embedded broadcast (the load unit repeats it);
+// GCC emitted most as a vpbroadcastd and a vpdpwssd, measured 3-5% of a projection's time at 1 to 16 rows (in the
+// KV attention's key scores, vpdpbusd's the same way measured no faster)
+__attribute__((always_inline)) inline __m512i dpwssd_broadcast(__m512i acc, __m512i codes, const void* p) {
+  asm("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(codes), "m"(*static_cast<const int32_t*>(p)));
+  return acc;
+}
+
 // The 16-row kernels' frame: for each group of 16 weight rows in [g0, g1), f(gi, acc) adds its blocks into acc (M
 // registers, one an activation row, zeroed first); then each row's 16 outputs = acc * d_x
 template <int M, typename F>
@@ -654,13 +662,6 @@ __attribute__((always_inline)) inline void each_row_group16(const QuantizedRows&
     for (int i = 0; i < M; ++i)
       _mm512_storeu_ps(out + (r0 + i) * n + gi * ROW_BLOCK, _mm512_mul_ps(acc[i], _mm512_set1_ps(x.d[r0 + i])));
   }
-}
-
-// acc + codes times the pair of int16 at p in every lane: vpdpwssd's embedded broadcast (the load unit repeats
-// it); GCC emitted most as a vpbroadcastd and a vpdpwssd, measured 3-5% of a projection's time at 1 to 16 rows
-__attribute__((always_inline)) inline __m512i dpwssd_broadcast(__m512i acc, __m512i codes, const int16_t* p) {
-  asm("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(codes), "m"(*reinterpret_cast<const int32_t*>(p)));
-  return acc;
 }
 
 // acc[i] = fma(row i's block sums (its A chains of int32 added), the 16 rows' scales, acc[i])
