@@ -300,9 +300,9 @@ constexpr int64_t SPAN_BYTES = 256 << 10;  // the weights a span of a job holds:
 
 // f(r0, std::integral_constant<int, M>, u0, u1) for the activation rows [r0, r0 + M) of m, in groups of 8 and what
 // is left (1 to 7): every group a compiled row count, each row computed alone within its group (so the same bits
-// for any m). Where m takes more than one group, a job's weight units [w0, w1) (unit_bytes each) go in spans of
-// SPAN_BYTES, every group over one span before the next: a later group reads the span's weights from L2 (the
-// whole job's again, an 8-row group then a 1-row one took 1.6x the int8 head's time of one 5-row group).
+// for any m). Each group reads the weights again: 5 rows as 4 + 1 took 1.66x the int8 head's time of one 5-row
+// group. So where m takes two groups, a job's weight units [w0, w1) (unit_bytes each) go in spans of SPAN_BYTES,
+// every group over one span before the next, and the later group reads the span from L2 (16 rows: 0.95x).
 template <typename F>
 inline void in_row_groups(int64_t m, int64_t w0, int64_t w1, int64_t unit_bytes, F f) {
   int64_t span = m <= 8 ? w1 - w0 : std::max<int64_t>(1, SPAN_BYTES / unit_bytes);
@@ -643,7 +643,7 @@ __attribute__((always_inline)) inline void prefetch_ahead(const void* p, int64_t
 }
 
 // acc + codes times the pair of int16 at p in every lane: vpdpwssd's embedded broadcast (the load unit repeats it);
-// GCC emitted most as a vpbroadcastd and a vpdpwssd, measured 3-5% of a projection's time at 1 to 16 rows (in the
+// GCC emitted most as a vpbroadcastd and a vpdpwssd, measured 1-5% of a projection's time at 1 to 16 rows (in the
 // KV attention's key scores, vpdpbusd's the same way measured no faster)
 __attribute__((always_inline)) inline __m512i dpwssd_broadcast(__m512i acc, __m512i codes, const void* p) {
   asm("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(codes), "m"(*static_cast<const int32_t*>(p)));
