@@ -161,6 +161,19 @@ def test_verify_rows_give_the_bits_of_plain_decode_steps(tiny_config, tokenizer)
     assert all(torch.equal(rows[i], steps[i + 1]) for i in range(6))
 
 
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_a_prompt_prefilled_at_once_gives_the_bits_of_one_fed_a_few_tokens_at_a_time(tiny_config, tokenizer, fmt):
+    """Quantized weights in the kernels' 16-row layout take a prefill's rows through the decode kernel too, so a
+    prompt's chunking changes no bit of what follows it."""
+    whole = tiny_engine(tiny_config, tokenizer, fmt, cache="paged")
+    if not whole.model.layers[0].self_attn.qkv_proj.rows16:
+        pytest.skip("the kernels' 16-row layout is built for AVX-512 VNNI only")
+    reference = decode(whole, 1, PROMPT, STEPS)
+    for chunk in (1, 7, 16):
+        assert same_bits(decode(tiny_engine(tiny_config, tokenizer, fmt, cache="paged"), 1, PROMPT, STEPS, chunk),
+                         reference), chunk
+
+
 def test_the_pure_pytorch_path_is_layout_invariant_too(tiny_config, tokenizer):
     with kernels.pure_pytorch():
         reference = decode(tiny_engine(tiny_config, tokenizer, "float32", cache="contiguous"), 1, PROMPT, STEPS)

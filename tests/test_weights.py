@@ -138,8 +138,10 @@ def test_each_format_multiplies_like_its_dequantized_weight(fmt, rows):
     exact = x @ module.dense(torch.float32).T
     got = module(x)
     assert got.dtype == torch.float32 and got.shape == (rows, 128)
-    # decode kernels take bfloat16 activations: ~3 significant digits
-    tolerance = 1e-5 if fmt == "float32" or (rows > DECODE_ROWS and fmt != "bfloat16") else 2e-2
+    # kvscope's kernels quantize int8 / int4 weights' activations to 15 bits a row (any number of rows in their
+    # 16-row layout); torch's fallback kernels round activations to bfloat16 (~3 significant digits)
+    kernel = module.decodes(rows) and fmt != "float32"
+    tolerance = (1e-4 if module.compiled is not None else 2e-2) if kernel else 1e-5
     torch.testing.assert_close(got, exact, atol=tolerance * float(exact.abs().max()), rtol=0)
 
 

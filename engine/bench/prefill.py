@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from engine.bench import peers, report
 from engine.bench.common import BenchContext, bar, median, random_ids
+from engine.engine import PREFILL_CHUNK
 
 LENGTHS = (128, 512, 2048)
 TINY_LENGTHS = (64, 256)  # --tiny: every code path, on a random model whose figures mean nothing
@@ -15,6 +16,14 @@ METHOD = (
     "(chunks of 1,024 tokens, logits of the last token only); transformers runs one forward with "
     "logits_to_keep=1. One warm-up prefill per peer is not counted."
 )
+
+
+def prefill_kernel(engine) -> str:
+    """How a prefill chunk's projections run, in words (the first layer's MLP down projection as the example)."""
+    projection = engine.model.layers[0].mlp.down_proj
+    if projection.decodes(PREFILL_CHUNK):
+        return f"a prefill chunk's projections run through the decode kernel ({projection.kernel_name}), any rows"
+    return "prefill dequantizes each layer's weights once per chunk and multiplies in float32"
 
 
 def run(ctx: BenchContext, quick: bool) -> dict:
@@ -29,8 +38,8 @@ def run(ctx: BenchContext, quick: bool) -> dict:
         runners[report.weights_row("float32")] = peers.EnginePeer(ctx.engine_with_weights("float32"), "paged",
                                                                  pool_tokens)
     runners.update({name: peer for name, peer in others.items() if "cache" not in name})
-    notes.insert(0, f"'paged' runs the auto weight format ({ctx.engine.weight_format} here): prefill dequantizes "
-                    "each layer's weights once per chunk and multiplies in float32.")
+    notes.insert(0, f"'paged' runs the auto weight format ({ctx.engine.weight_format} here): "
+                    f"{prefill_kernel(ctx.engine)}.")
     samples = {}
     for name, peer in bar(list(runners.items()), "prefill peers"):
         peer.prefill_ms(random_ids(32, vocab, seed=7))  # warm-up
@@ -38,7 +47,7 @@ def run(ctx: BenchContext, quick: bool) -> dict:
                          for n in lengths}
     tok_s = {name: {n: int(n) / (median(ms) / 1000) for n, ms in s.items()} for name, s in samples.items()}
     weights = {"format": ctx.engine.weight_format, "resident_bytes": ctx.engine.weights_resident_bytes,
-               "file_bytes": ctx.engine.weights_file_bytes}
+               "file_bytes": ctx.engine.weights_file_bytes, "prefill_kernel": prefill_kernel(ctx.engine)}
     return {"method": METHOD, "lengths": list(lengths), "repeats": repeats, "notes": notes,
             "tokens_per_s": tok_s, "samples_ms": samples, "weights": weights}
 

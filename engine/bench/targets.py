@@ -127,8 +127,8 @@ def prefill_targets(r: dict) -> list[Target]:
     paged, f32, llama = (_get(tok, name, "512") for name in ("paged", weights_row("float32"), "llama.cpp"))
     w = r.get("weights") or {}
     out = [_check("prefill at 512: auto weights / float32 weights (tok/s)", _div(paged, f32), ">=", 0.8, "x",
-                  f"{fmt(paged)} vs {fmt(f32)} tokens/s: {w.get('format')} weights are dequantized once per layer "
-                  "per chunk, then multiplied in float32"),
+                  f"{fmt(paged)} vs {fmt(f32)} tokens/s: {w.get('format')} weights, "
+                  f"{w.get('prefill_kernel', 'dequantized once per layer per chunk, then multiplied in float32')}"),
            _check("prefill at 512 vs llama.cpp (tok/s)", _div(paged, llama), ">=", 1.6, "x",
                   f"{fmt(paged)} vs {fmt(llama)} tokens/s")]
     if w.get("file_bytes"):
