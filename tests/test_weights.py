@@ -285,6 +285,19 @@ def test_int8_embedding_rows_are_the_dequantized_tables_rows_bit_for_bit_on_eith
         assert torch.equal(Int8Linear(q).rows(ids, torch.float32), expected)
 
 
+@pytest.mark.parametrize("rows", [112, 100])  # the 16-row layout where it is built; GGUF's order
+@pytest.mark.parametrize("pure", [False, True])  # torch's packing (or GGUF's order) without the kernels
+def test_int4_embedding_rows_are_the_dequantized_tables_rows_bit_for_bit_in_every_layout(rows, pure):
+    q = quantize_int4(torch.randn(rows, 64), 32)
+    ids = torch.tensor([[0, 5, rows - 1], [7, 7, 17]])
+    with kernels.pure_pytorch() if pure else contextlib.nullcontext():
+        module = Int4Linear(q)
+        for dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(module.rows(ids, dtype), module.dense(dtype)[ids])
+        with pytest.raises(IndexError, match=str(rows)):
+            module.rows(torch.tensor([[3, rows]]), torch.float32)
+
+
 @pytest.mark.parametrize("pure", [False, True])
 def test_an_embedding_row_outside_the_table_is_refused_by_its_number(pure):
     with kernels.pure_pytorch() if pure else contextlib.nullcontext():
