@@ -285,10 +285,11 @@ def test_int8_embedding_rows_are_the_dequantized_tables_rows_bit_for_bit_on_eith
         assert torch.equal(Int8Linear(q).rows(ids, torch.float32), expected)
 
 
+@pytest.mark.parametrize("group", [32, 64])
 @pytest.mark.parametrize("rows", [112, 100])  # the 16-row layout where it is built; GGUF's order
 @pytest.mark.parametrize("pure", [False, True])  # torch's packing (or GGUF's order) without the kernels
-def test_int4_embedding_rows_are_the_dequantized_tables_rows_bit_for_bit_in_every_layout(rows, pure):
-    q = quantize_int4(torch.randn(rows, 64), 32)
+def test_int4_embedding_rows_are_the_dequantized_tables_rows_bit_for_bit_in_every_layout(rows, pure, group):
+    q = quantize_int4(torch.randn(rows, 128), group)
     ids = torch.tensor([[0, 5, rows - 1], [7, 7, 17]])
     with kernels.pure_pytorch() if pure else contextlib.nullcontext():
         module = Int4Linear(q)
