@@ -286,8 +286,8 @@ def test_int8_embedding_rows_are_the_dequantized_tables_rows_bit_for_bit_on_eith
 
 
 @pytest.mark.parametrize("group", [32, 64])
-@pytest.mark.parametrize("rows", [112, 100])  # the 16-row layout where it is built; GGUF's order
-@pytest.mark.parametrize("pure", [False, True])  # torch's packing (or GGUF's order) without the kernels
+@pytest.mark.parametrize("rows", [128, 112, 100])  # the 16-row layout where it is built, else GGUF's order;
+@pytest.mark.parametrize("pure", [False, True])  # without the kernels torch's packing (128 rows) or GGUF's order
 def test_int4_embedding_rows_are_the_dequantized_tables_rows_bit_for_bit_in_every_layout(rows, pure, group):
     q = quantize_int4(torch.randn(rows, 128), group)
     ids = torch.tensor([[0, 5, rows - 1], [7, 7, 17]])

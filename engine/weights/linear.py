@@ -356,6 +356,12 @@ class Int4Linear(WeightLinear):
         if self.in_gguf_order:
             picked = QuantizedWeight(4, self.kernel_codes[flat], self.scales[flat], self.minimums[flat])
             return picked.dequantize(dtype).view(*index.shape, self.in_features)
+        if self.kernel_codes is None:  # torch's packing, in unpack_cpu_int4pack's layout (checked at load)
+            n, k = self.shape
+            block, within = flat // 64, flat % 64
+            picked = self.packed.view(n // 64, k, 32)[block, :, within % 32]  # [ids, K] bytes
+            codes = torch.where((within < 32)[:, None], picked & 15, picked >> 4)
+            return dequantize_codes(codes, self.scales[flat], self.minimums[flat], dtype).view(*index.shape, k)
         return self.dense(dtype)[index]
 
 
