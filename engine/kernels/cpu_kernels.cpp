@@ -1609,15 +1609,22 @@ inline void weigh_rows_512(const float* const* e, const T* const* v, int64_t n, 
 // channel order where they are stored. Every sum keeps one fixed order, pairs at even positions.
 inline __m512bh bf16_32(const void* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); }
 
+// x[0..n) rounded to bfloat16 -> out, 32 at a time (zeros from n to the next multiple of 32)
+inline void round_to_bf16(const float* x, int64_t n, c10::BFloat16* out) {
+  for (int64_t p = 0; p < n; p += 32) {
+    auto part = [&](int64_t at) {
+      int64_t left = std::max<int64_t>(0, std::min<int64_t>(16, n - at));
+      return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << left) - 1), x + at);
+    };
+    _mm512_storeu_si512(out + p, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(part(p + 16), part(p))));
+  }
+}
+
 // nq query vectors [nq, D] float -> bfloat16, vector i in the first half of its d floats (the callers' strides)
 inline const float* bf16_query(const float* q, int64_t nq, int64_t d) {
   thread_local std::vector<float> rounded;
   rounded.resize(nq * d);
-  for (int64_t i = 0; i < nq; ++i)
-    for (int64_t c = 0; c < d; c += 32)
-      _mm512_storeu_si512(reinterpret_cast<c10::BFloat16*>(rounded.data() + i * d) + c,
-                          reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + i * d + c + 16),
-                                                                         _mm512_loadu_ps(q + i * d + c))));
+  for (int64_t i = 0; i < nq; ++i) round_to_bf16(q + i * d, d, reinterpret_cast<c10::BFloat16*>(rounded.data() + i * d));
   return rounded.data();
 }
 
@@ -1703,15 +1710,8 @@ inline void weigh_rows_bf16(const float* const* e, const c10::BFloat16* const* v
   scratch.resize(NV * stride);
   const c10::BFloat16* w[NV];
   for (int u = 0; u < NV; ++u) {
-    c10::BFloat16* wu = scratch.data() + u * stride;
-    for (int64_t p = 0; p < even; p += 32) {
-      auto part = [&](int64_t at) {
-        int64_t left = std::max<int64_t>(0, std::min<int64_t>(16, n - at));
-        return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << left) - 1), e[u] + at);
-      };
-      _mm512_storeu_si512(wu + p, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(part(p + 16), part(p))));
-    }
-    w[u] = wu;
+    w[u] = scratch.data() + u * stride;
+    round_to_bf16(e[u], n, scratch.data() + u * stride);  // (even and n round up to the same multiple of 32)
   }
   int64_t c = 0;
   for (; c + 64 <= d; c += 64) weigh_rows_bf16<NV, 2>(w, v, n, out, c);

@@ -351,18 +351,20 @@ class Int4Linear(WeightLinear):
         outside = flat[(flat < 0) | (flat >= self.out_features)]
         if outside.numel():
             raise IndexError(f"embedding row {int(outside[0])} is outside the table's {self.out_features} rows")
-        if self.rows16:
-            return int4_rows16_rows(self.kernel_codes, self.scales, self.minimums, index, dtype)
         if self.in_gguf_order:
             picked = QuantizedWeight(4, self.kernel_codes[flat], self.scales[flat], self.minimums[flat])
             return picked.dequantize(dtype).view(*index.shape, self.in_features)
-        if self.kernel_codes is None:  # torch's packing, in unpack_cpu_int4pack's layout (checked at load)
-            n, k = self.shape
-            block, within = flat // 64, flat % 64
-            picked = self.packed.view(n // 64, k, 32)[block, :, within % 32]  # [ids, K] bytes
-            codes = torch.where((within < 32)[:, None], picked & 15, picked >> 4)
-            return dequantize_codes(codes, self.scales[flat], self.minimums[flat], dtype).view(*index.shape, k)
-        return self.dense(dtype)[index]
+        return dequantize_codes(*self._unpacked_rows(flat), dtype).view(*index.shape, self.in_features)
+
+    def _unpacked_rows(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """_unpacked's rows `flat` [n] alone: (codes [n, K] one a byte, scales and minimums [n, G])."""
+        if self.rows16:
+            return rows16_rows(self.kernel_codes, self.scales, self.minimums, flat)
+        n, k = self.shape  # torch's packing, in unpack_cpu_int4pack's layout (checked at load)
+        block, within = flat // 64, flat % 64
+        picked = self.packed.view(n // 64, k, 32)[block, :, within % 32]  # [ids, K] bytes
+        codes = torch.where((within < 32)[:, None], picked & 15, picked >> 4)
+        return codes, self.scales[flat], self.minimums[flat]
 
 
 ROW_BLOCK = 16  # weight rows the 16-row layout interleaves (the kernels' int4_row_block())
@@ -400,17 +402,14 @@ def rows16_parts(codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tens
     return plain, params_from_rows16(scales), params_from_rows16(minimums)
 
 
-def int4_rows16_rows(codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor, index: torch.Tensor,
-                     dtype: torch.dtype) -> torch.Tensor:
-    """Rows `index` [...] of an int4 weight in the 16-row layout, dequantized as dequantize_codes does (the same
-    values), from the 16-row groups that hold them alone. -> [..., K]"""
-    flat = index.reshape(-1)
+def rows16_rows(codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor, flat: torch.Tensor):
+    """rows16_parts' rows `flat` [n] alone, from the 16-row groups that hold them: codes [n, K], scales and
+    minimums [n, G]."""
     group, row, n = flat // ROW_BLOCK, flat % ROW_BLOCK, flat.numel()
     blocks = codes.shape[1]
     picked = codes[group].view(n, blocks, 8, ROW_BLOCK, 2)[torch.arange(n), :, :, row]  # [n, block, j, e]
     unpacked = torch.stack([picked & 15, picked >> 4], 2).reshape(n, blocks * 32)  # [n, block, half, j, e] -> [n, K]
-    out = dequantize_codes(unpacked, scales[group, :, row], minimums[group, :, row], dtype)
-    return out.view(*index.shape, blocks * 32)
+    return unpacked, scales[group, :, row], minimums[group, :, row]
 
 
 def int8_to_rows16(q: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
