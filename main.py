@@ -66,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = sub.add_parser("chat", help="chat in the terminal with the same engine")
     add_model_options(chat)
+    add_kv_dtype_option(chat)
     chat.add_argument("--system", help="system prompt")
     chat.add_argument("--max-new-tokens", type=int, default=512)
     chat.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (deterministic)")

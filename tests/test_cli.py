@@ -156,6 +156,24 @@ def test_every_command_takes_a_thread_count(command):
     assert main.build_parser().parse_args([command]).threads is None
 
 
+@pytest.mark.parametrize("command", ["gui", "chat", "bench", "serve"])
+def test_every_command_takes_a_kv_precision(command):
+    assert main.build_parser().parse_args([command, "--kv-dtype", "int4"]).kv_dtype == "int4"
+    assert main.build_parser().parse_args([command]).kv_dtype is None
+
+
+@pytest.mark.default_model
+def test_chat_keeps_its_cache_in_the_precision_it_was_given(default_weights):
+    from engine.kv.precision import bytes_per_token
+
+    result = chat("--kv-dtype", "int8", "--prompt", QUESTION, "--temperature", "0", "--max-new-tokens", "3", "--json")
+    assert result.returncode == 0, result.stderr
+    ((steps, _),) = turns(records(result.stdout))
+    per_token = bytes_per_token(default_weights.config, "int8", 16)  # the paged pool's blocks: the keys' group
+    assert per_token < default_weights.config.kv_bytes_per_token(2) * 0.6  # int8 and its scales, not 16 bits
+    assert [rec["kv_bytes_theoretical"] for rec in steps] == [int(per_token * (rec["pos"] + 1)) for rec in steps]
+
+
 @pytest.mark.parametrize("bad", ["0", "-2", "two", "1.5"])
 def test_a_bad_thread_count_is_refused_with_its_reason(bad, capsys):
     with pytest.raises(SystemExit) as exit_info:
