@@ -61,6 +61,7 @@ from engine.chat import PromptTooLong
 from engine.config import ConfigError, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv.base import KVCacheFull, KVStats
+from engine.kv.paged import common_prefix_length
 from engine.kv.precision import QUANTIZED
 from engine.sampler import Sampler
 from engine.weights.linear import DECODE_ROWS
@@ -325,18 +326,36 @@ class Scheduler:
             self._finish(req, "cancelled")
 
     def _admit(self) -> None:
+        """The oldest waiting requests, in order, while they fit; one whose prefix a running request is computing
+        waits at its place for those blocks, the ones after it go on."""
+        later = []
         while self.waiting and len(self.running) < self.config.max_concurrency:
             req = self.waiting[0]
+            if self._computing_its_prefix(req):
+                later.append(self.waiting.popleft())
+                continue
             hit = self.cache.prepare(req.id, req.tokens)
             if not self._fits(req, hit):
                 self.cache.release(req.id)
-                return
+                break
             self.waiting.popleft()
             req.num_computed = req.prefix_hit = hit
             req.turn = next(self._turns)
             req.admitted_at = req.admitted_at or time.perf_counter()
             self._count_admission(req, hit)
             self.running.append(req)
+        self.waiting.extendleft(reversed(later))
+
+    def _computing_its_prefix(self, req: Request) -> bool:
+        """Whether a running request is still computing full blocks that begin this request's tokens (a system
+        prompt that requests arriving together share): admitted once they are computed, it takes them from the
+        prefix cache instead of computing them a second time, in the same ticks."""
+        if not self.cache.shares_computed_blocks:
+            return False
+        bs = self.cache.block_size
+        shareable = (len(req.tokens) - 1) // bs * bs  # the cache leaves a request at least one token to compute
+        return any(r.num_computed < min(common_prefix_length(r.tokens, req.tokens), shareable) // bs * bs
+                   for r in self.running)
 
     def _fits(self, req: Request, hit: int) -> bool:
         pool = getattr(self.cache, "pool", None)

@@ -99,6 +99,7 @@ class KVCache(ABC):
 
     name: str
     keeps_kv = True  # False for 'none': the caller must feed the whole sequence every step
+    shares_computed_blocks = False  # whether a block joins the prefix cache in the step that computes it
     quantization_group = 0  # a quantized cache's tokens per group (a block quantizes when it fills); 0: floats
     window_slack = TILE  # a sliding layer's ring holds the window and this many more tokens (engine/kv/window.py)
 

@@ -139,6 +139,10 @@ class PagedCache(KVCache):
     name = "paged"
     prefix_reuse = True  # False: each turn starts from an empty sequence and ignores the prefix cache
 
+    @property
+    def shares_computed_blocks(self) -> bool:  # (a sliding layer's ring is shared only once its sequence ends)
+        return self.prefix_reuse and not self.windows
+
     def __init__(self, model_config, dtype, device, max_context, block_size: int = 16,
                  pool_tokens: int | None = None, budget_bytes: int | None = None,
                  first_chunk_tokens: int = FIRST_CHUNK_TOKENS, max_chunk_tokens: int = MAX_CHUNK_TOKENS):
