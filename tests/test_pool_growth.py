@@ -3,9 +3,12 @@ block, a sequence spread over chunks attends exactly as over one tensor, and tra
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from engine import hugepages
 from engine.config import ConfigError, EngineConfig
 from engine.kv.base import KVCacheFull, StepView
 from engine.kv.chunks import ChunkLayout
@@ -216,6 +219,38 @@ def test_the_kv_budget_in_mib_sets_the_most_the_pool_grows_to(tiny_engine_factor
     for bad in (0, -1.0):
         with pytest.raises(ConfigError, match="positive number of MiB"):
             EngineConfig(kv_budget_mib=bad)
+
+
+def test_a_chunk_on_huge_pages_is_made_ahead_and_joins_the_pool_when_it_grows(tiny_config):
+    """The default model's shapes in bfloat16: chunks of 128 tokens and more take huge pages, whose first write is
+    slow; the next one is made (and its pages written) on a background thread once the free blocks run low, counted
+    as allocated from then on, and the growth that needs it takes that very tensor."""
+    if not hugepages.available():
+        pytest.skip("this Linux gives no huge pages: chunks fault a small page at a time")
+    shapes = dataclasses.replace(tiny_config, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64)
+    cache = PagedCache(shapes, torch.bfloat16, "cpu", 8192, block_size=BS)
+    per_block = cache.bytes_per_block()
+    cache.make_room(4)
+    held = cache.pool.allocate(4)  # the first chunk, 64 tokens (1.5 MiB): small pages, nothing made ahead
+    assert cache._next_chunk is None and cache.bytes_allocated() == 4 * per_block
+    cache.make_room(1)  # no free block left: the next chunk (4 blocks) is wanted now, so it grows...
+    held += cache.pool.allocate(1)
+    assert cache.layout.sizes == [4, 4] and cache._next_chunk is None  # ...and its 2.9 MiB start on huge pages
+    for _ in range(2):  # while a free block is left beyond the one wanted, nothing is made ahead
+        cache.make_room(1)
+        assert cache._next_chunk is None
+        held += cache.pool.allocate(1)
+    cache.make_room(1)  # the last free block wanted: the next chunk (8 blocks) is made now
+    blocks, made = cache._next_chunk
+    assert blocks == 8 and cache.bytes_allocated() == 16 * per_block
+    held += cache.pool.allocate(1)
+    ahead = made.result()
+    cache.make_room(1)
+    assert cache.layout.sizes == [4, 4, 8] and cache.chunks[-1] is ahead and cache.bytes_allocated() == 16 * per_block
+    assert all(t.count_nonzero() == 0 for t in ahead)
+    cache.pool.free(held)
+    cache.give_back()
+    assert cache._next_chunk is None and cache.chunks == []
 
 
 # ---- what a chat sees -----------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ whose sliding layers would miss their window.
 from __future__ import annotations
 
 import functools
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -161,6 +162,7 @@ class PagedCache(KVCache):
         self.layers: list[list[tuple[torch.Tensor, ...]]] = []  # per chunk and storage tensor: its per-layer views
         self.stores_by_layer: list[list[list[torch.Tensor]]] = []  # per storage tensor and layer: every chunk's view
         self.layer_groups: list[list[torch.Tensor]] = []  # per layer: stores_by_layer's groups, one after another
+        self._next_chunk: tuple[int, Future] | None = None  # (its blocks, its tensors): see _prepare_next_chunk
 
     def _max_blocks(self, pool_tokens: int | None, budget_bytes: int | None) -> int:
         """The budget in blocks: pool_tokens and budget_bytes where given, else one context's worth."""
@@ -202,13 +204,39 @@ class PagedCache(KVCache):
             )
         while self.pool.num_free < n and self.layout.next_chunk_blocks():
             self._grow()
+        self._prepare_next_chunk(n)
 
     def _grow(self) -> None:
-        tensors = self._chunk_tensors(self.layout.next_chunk_blocks(), self.device)  # may raise: nothing changed
+        blocks = self.layout.next_chunk_blocks()
+        tensors = self._take_next_chunk(blocks) or self._chunk_tensors(blocks, self.device)  # may raise: unchanged
         self.pool.grow(self.layout.add_chunk())
         self.chunks.append(tensors)
         self.layers.append([t.unbind(0) for t in tensors])
         self._index_stores()
+
+    def _prepare_next_chunk(self, wanted: int) -> None:
+        """Once the free blocks, less the `wanted` ones, are fewer than an eighth of the next chunk's, that chunk is
+        made and its pages faulted in on a background thread (hugepages.faulted_ahead): on huge pages the first
+        step that wrote into a new chunk of 2,048 tokens took 0.2 s here, of 8,192 tokens 0.9 s. Small chunks,
+        on small pages, fault a page at a time as their blocks fill: nothing to do."""
+        blocks = self.layout.next_chunk_blocks()
+        if self._next_chunk or not blocks or self.pool.num_free - wanted >= max(1, blocks // 8):
+            return
+        if (blocks * self.bytes_per_block() < hugepages.HUGE or torch.device(self.device).type != "cpu"
+                or not hugepages.available()):
+            return
+        make = functools.partial(self._chunk_tensors, blocks, self.device)
+        self._next_chunk = (blocks, hugepages.faulted_ahead(make))
+
+    def _take_next_chunk(self, blocks: int) -> list[torch.Tensor] | None:
+        """The chunk made ahead, when it has that many blocks (waiting for its last pages if need be)."""
+        ahead, self._next_chunk = self._next_chunk, None
+        if ahead is None or ahead[0] != blocks:
+            return None
+        try:
+            return ahead[1].result()
+        except (RuntimeError, MemoryError, OSError):  # made here instead, where a failure is reported
+            return None
 
     def give_back(self) -> int:
         """Give back trailing chunks whose blocks are all free (not used, not cached); returns the blocks."""
@@ -218,6 +246,7 @@ class PagedCache(KVCache):
             returned += self.layout.remove_last_chunk()
             self.chunks.pop()
             self.layers.pop()
+            self._next_chunk = None  # (made for the pool before: the next chunk's size changes)
         self._index_stores()
         return returned
 
@@ -442,8 +471,10 @@ class PagedCache(KVCache):
         )
 
     def bytes_allocated(self) -> int:
-        """The pool's chunks, and the sliding layers' rings (the sequences' and those parked)."""
-        return sum(t.nbytes for t in self.storage_tensors()) + self.window_bytes()
+        """The pool's chunks (and the next one where it is made ahead), and the sliding layers' rings (the
+        sequences' and those parked)."""
+        ahead = self._next_chunk[0] * self.bytes_per_block() if self._next_chunk else 0  # made, not yet joined
+        return sum(t.nbytes for t in self.storage_tensors()) + ahead + self.window_bytes()
 
     def _window_bytes_used(self) -> int:
         """Of the rings: the rows holding each sequence's live window."""
