@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.config import ConfigError, SamplingParams
-from engine.sampler import Sampler, apply_repetition_penalty, draw
+from engine.sampler import Sampler, SeenTokens, apply_repetition_penalty, draw
 
 CPU = torch.device("cpu")
 PROBS = [0.5, 0.3, 0.15, 0.05]  # tokens 0..3, already sorted by probability
@@ -87,6 +87,22 @@ def test_no_repetition_penalty_changes_nothing():
     logits = random_logits()
     assert torch.equal(apply_repetition_penalty(logits, [1, 2, 3], 1.0), logits)
     assert torch.equal(apply_repetition_penalty(logits, [], 1.5), logits)
+
+
+def test_a_penalty_kept_across_a_growing_history_gives_the_bits_of_one_computed_afresh():
+    """The sampler keeps the history's tokens as a mask it brings up to date; a history that went back (a
+    speculative draft rolled back, another conversation) is read again."""
+    seen, history = SeenTokens(), []
+    rng = torch.Generator().manual_seed(0)
+    for step in range(300):
+        history.append(int(torch.randint(0, 50 if step % 2 else 1000, (), generator=rng)))
+        if step % 60 == 59:
+            history = history[:-5]
+        if step == 200:
+            history = [7, 8, 9]
+        logits = torch.randn(1000, generator=rng)
+        assert torch.equal(apply_repetition_penalty(logits, history, 1.3, seen),
+                           apply_repetition_penalty(logits, history, 1.3))
 
 
 def test_the_repetition_penalty_can_change_the_greedy_choice():

@@ -2845,8 +2845,9 @@ struct LaterRows {
   void fetch(const QuantRows<BITS>& keys, const QuantRows<BITS>& values, int64_t d, int64_t upto) {
     for (; done < upto; ++done) {
       int64_t p = done < sink ? done : w0 + done - sink;
-      const WindowRow<BITS>* k = p < keys.sink ? keys.sink_rows + p * d : keys.window + (p % keys.ring) * d;
-      const WindowRow<BITS>* v = p < values.sink ? values.sink_rows + p * d : values.window + (p % values.ring) * d;
+      int64_t row = p < keys.sink ? 0 : p % keys.ring;  // (keys and values share the ring's length)
+      const WindowRow<BITS>* k = p < keys.sink ? keys.sink_rows + p * d : keys.window + row * d;
+      const WindowRow<BITS>* v = p < values.sink ? values.sink_rows + p * d : values.window + row * d;
       prefetch_span(k, k + d, _MM_HINT_T1);
       prefetch_span(v, v + d, _MM_HINT_T1);
     }
@@ -3026,9 +3027,9 @@ void attend_tile(const float* q, float* part, const QuantRows<BITS>& keys, const
   window_v.resize(n);
   const WindowRow<BITS>**wk = window_k.data(), **wv = window_v.data();  // (a thread_local's address: a call)
   for (int64_t p = k0; p < qstart; ++p) wk[p - k0] = keys.sink_rows + p * d, wv[p - k0] = values.sink_rows + p * d;
-  for (int64_t p = qend; p < k1; ++p) {
-    wk[p - k0] = keys.window + (p % keys.ring) * d;
-    wv[p - k0] = values.window + (p % values.ring) * d;
+  for (int64_t p = qend, row = qend % keys.ring; p < k1; ++p, row = row + 1 == keys.ring ? 0 : row + 1) {
+    wk[p - k0] = keys.window + row * d;  // (keys and values share the ring's length)
+    wv[p - k0] = values.window + row * d;
   }
   for (auto [a, b] : {std::pair{k0, qstart}, std::pair{qend, k1}})  // a row's group of vectors at once
     for (int64_t r = 0; r < rows; ++r) {
