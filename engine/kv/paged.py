@@ -150,6 +150,7 @@ class PagedCache(KVCache):
         """The pool holds at most pool_tokens and at most budget_bytes (default: one context's worth of
         tokens). It starts empty and grows in chunks: first_chunk_tokens, then doubling, at most
         max_chunk_tokens a chunk (first_chunk_tokens >= the budget: one chunk, a single tensor)."""
+        self._block_bytes: int | None = None
         self.block_size = block_size
         self.window_slack = max(self.window_slack, block_size)  # a ring holds the window of a full block's end
         super().__init__(model_config, dtype, device, max_context)
@@ -449,8 +450,10 @@ class PagedCache(KVCache):
         return len(seq.tokens) if seq else 0
 
     # ---- figures
-    def bytes_per_block(self) -> int:
-        return sum(t.nbytes for t in self._chunk_tensors(1, "meta"))
+    def bytes_per_block(self) -> int:  # (stats() reads it every step: a chunk of "meta" tensors built once)
+        if self._block_bytes is None:
+            self._block_bytes = sum(t.nbytes for t in self._chunk_tensors(1, "meta"))
+        return self._block_bytes
 
     def budget_bytes(self) -> int:
         return self.layout.max_blocks * self.bytes_per_block()
