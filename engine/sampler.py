@@ -78,8 +78,8 @@ def most_likely_reaching(probs: torch.Tensor, top_p: float) -> tuple[torch.Tenso
 
 class SeenTokens:
     """The distinct token ids of a history, brought up to date with the tokens appended since the last call (read
-    again when the history is not the last one and more): the repetition penalty of a long chat read its whole
-    history every token (4,000 tokens: 0.7 ms)."""
+    again from the start when the history is not the previous one extended): the repetition penalty of a long chat
+    read its whole history every token (4,000 tokens: 0.7 ms)."""
 
     def __init__(self):
         self.tokens: list[int] = []

@@ -61,7 +61,6 @@ from engine.chat import PromptTooLong
 from engine.config import ConfigError, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv.base import KVCacheFull, KVStats
-from engine.kv.paged import common_prefix_length
 from engine.kv.precision import QUANTIZED
 from engine.sampler import Sampler
 from engine.weights.linear import DECODE_ROWS
@@ -354,8 +353,11 @@ class Scheduler:
             return False
         bs = self.cache.block_size
         shareable = (len(req.tokens) - 1) // bs * bs  # the cache leaves a request at least one token to compute
-        return any(r.num_computed < min(common_prefix_length(r.tokens, req.tokens), shareable) // bs * bs
-                   for r in self.running)
+        for r in self.running:
+            block_end = (r.num_computed // bs + 1) * bs  # the end of the first full block r has still to compute
+            if block_end <= min(shareable, len(r.tokens)) and r.tokens[:block_end] == req.tokens[:block_end]:
+                return True
+        return False
 
     def _fits(self, req: Request, hit: int) -> bool:
         pool = getattr(self.cache, "pool", None)
