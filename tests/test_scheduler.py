@@ -254,23 +254,23 @@ def test_same_system_prompt_shares_cached_blocks(tiny_engine_factory):
     assert sched.stats().prefix_hits == 64
 
 
-@pytest.mark.parametrize("cache", ["paged", "paged-int8"])
-def test_requests_arriving_together_compute_their_common_prefix_once(tiny_engine_factory, cache):
+@pytest.mark.parametrize("cache, kv_dtype", [("paged", None), ("paged-int8", None), ("paged", "int4")])
+def test_requests_arriving_together_compute_their_common_prefix_once(tiny_engine_factory, cache, kv_dtype):
     """Four requests with one 40-token system prompt, submitted at once: the first computes its full blocks, the
-    others wait the ticks that takes and share them (a quantized pool shares a block only once it holds codes, so
-    there the four compute their own); every reply is the one its request gets alone."""
-    engine = tiny_engine_factory(cache=cache)
+    others wait the ticks that takes and share them (an int4 pool shares a block only once it holds codes, 128
+    tokens later, so there the four compute their own); every reply is the one its request gets alone."""
+    engine = tiny_engine_factory(cache=cache, kv_dtype=kv_dtype)
     rows = []
     step = engine.step
     engine.step = lambda ids, feeds, **kw: rows.append(sum(map(len, feeds))) or step(ids, feeds, **kw)
     system = prompts(1, [40])[0]
     batch = [system + suffix for suffix in prompts(4, [5, 9, 3, 12], seed=3)]
     col, ids = run_all(Scheduler(engine), batch, greedy(4))
-    shared = 32 if cache == "paged" else 0  # two full blocks of 16
+    shared = 0 if kv_dtype == "int4" else 32  # two full blocks of 16
     assert [col.final(i).prefix_hit_tokens for i in ids] == [0] + [shared] * 3
     assert sum(rows) == sum(len(p) + 3 for p in batch) - 3 * shared
     for rid, prompt in zip(ids, batch):
-        assert col.tokens(rid) == alone(tiny_engine_factory, prompt, greedy(4), cache=cache)
+        assert col.tokens(rid) == alone(tiny_engine_factory, prompt, greedy(4), cache=cache, kv_dtype=kv_dtype)
 
 
 def test_a_request_waiting_for_its_prefix_keeps_its_place_and_lets_others_in(tiny_engine_factory):

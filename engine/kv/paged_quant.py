@@ -84,7 +84,9 @@ class PagedQuantCache(PagedCache):
         self.state = QuantState(codec, self.block_size, residual, sink, self.store_config, self.dtype, self.device)
         self.sink_rows: OrderedDict[int, torch.Tensor] = OrderedDict()  # block hash -> its sink rows
 
-    shares_computed_blocks = False  # a block joins the prefix cache when it holds its codes, `residual` tokens later
+    @property
+    def shares_computed_blocks(self) -> bool:  # a block joins the prefix cache once it holds codes: `residual` later
+        return super().shares_computed_blocks and self.state.residual == 0
 
     def _chunk_tensors(self, num_blocks: int, device) -> list[torch.Tensor]:
         """Key and value codes [L, Hkv, slots, W]; key scales [L, Hkv, blocks, (2,) D]; value scales
