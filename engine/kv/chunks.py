@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-FIRST_CHUNK_TOKENS = 64  # a short chat fits; its allocation stays within 2x of what it uses
+FIRST_CHUNK_TOKENS = 64  # a short chat fits; its chunks stay within 2x of what it uses (and one made ahead)
 MAX_CHUNK_TOKENS = 4096  # past this a pool grows linearly, one chunk of this size at a time
 
 
