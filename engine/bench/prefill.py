@@ -38,8 +38,8 @@ def run(ctx: BenchContext, quick: bool) -> dict:
         runners[report.weights_row("float32")] = peers.EnginePeer(ctx.engine_with_weights("float32"), "paged",
                                                                  pool_tokens)
     runners.update({name: peer for name, peer in others.items() if "cache" not in name})
-    notes.insert(0, f"'paged' runs the auto weight format ({ctx.engine.weight_format} here): "
-                    f"{prefill_kernel(ctx.engine)}.")
+    kernel = prefill_kernel(ctx.engine)
+    notes.insert(0, f"'paged' runs the auto weight format ({ctx.engine.weight_format} here): {kernel}.")
     samples = {}
     for name, peer in bar(list(runners.items()), "prefill peers"):
         peer.prefill_ms(random_ids(32, vocab, seed=7))  # warm-up
@@ -47,7 +47,7 @@ def run(ctx: BenchContext, quick: bool) -> dict:
                          for n in lengths}
     tok_s = {name: {n: int(n) / (median(ms) / 1000) for n, ms in s.items()} for name, s in samples.items()}
     weights = {"format": ctx.engine.weight_format, "resident_bytes": ctx.engine.weights_resident_bytes,
-               "file_bytes": ctx.engine.weights_file_bytes, "prefill_kernel": prefill_kernel(ctx.engine)}
+               "file_bytes": ctx.engine.weights_file_bytes, "prefill_kernel": kernel}
     return {"method": METHOD, "lengths": list(lengths), "repeats": repeats, "notes": notes,
             "tokens_per_s": tok_s, "samples_ms": samples, "weights": weights}
 

@@ -1710,8 +1710,9 @@ inline void weigh_rows_bf16(const float* const* e, const c10::BFloat16* const* v
   scratch.resize(NV * stride);
   const c10::BFloat16* w[NV];
   for (int u = 0; u < NV; ++u) {
-    w[u] = scratch.data() + u * stride;
-    round_to_bf16(e[u], n, scratch.data() + u * stride);  // (even and n round up to the same multiple of 32)
+    c10::BFloat16* wu = scratch.data() + u * stride;
+    round_to_bf16(e[u], n, wu);  // (even and n round up to the same multiple of 32)
+    w[u] = wu;
   }
   int64_t c = 0;
   for (; c + 64 <= d; c += 64) weigh_rows_bf16<NV, 2>(w, v, n, out, c);
@@ -2845,9 +2846,9 @@ struct LaterRows {
   void fetch(const QuantRows<BITS>& keys, const QuantRows<BITS>& values, int64_t d, int64_t upto) {
     for (; done < upto; ++done) {
       int64_t p = done < sink ? done : w0 + done - sink;
-      int64_t row = p < keys.sink ? 0 : p % keys.ring;  // (keys and values share the ring's length)
-      const WindowRow<BITS>* k = p < keys.sink ? keys.sink_rows + p * d : keys.window + row * d;
-      const WindowRow<BITS>* v = p < values.sink ? values.sink_rows + p * d : values.window + row * d;
+      int64_t row = p < keys.sink ? p : p % keys.ring;  // (keys and values share the sink and the ring's length)
+      const WindowRow<BITS>* k = (p < keys.sink ? keys.sink_rows : keys.window) + row * d;
+      const WindowRow<BITS>* v = (p < keys.sink ? values.sink_rows : values.window) + row * d;
       prefetch_span(k, k + d, _MM_HINT_T1);
       prefetch_span(v, v + d, _MM_HINT_T1);
     }
