@@ -347,6 +347,26 @@ inline void halves_to_floats(const uint16_t* src, float* dst, int64_t n) {
   for (; j < n; ++j) dst[j] = half_to_float(src[j]);
 }
 
+// float32 row -> float16, rounded to nearest even as c10::Half rounds (8 at a time by F16C where built: the
+// scalar conversion of an int4 window's new rows took ~1% of a decode step)
+inline void floats_to_halves(const float* src, c10::Half* dst, int64_t n) {
+  int64_t j = 0;
+#ifdef KVSCOPE_AVX2
+  for (; j + 8 <= n; j += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  for (; j < n; ++j) dst[j] = c10::Half(src[j]);
+}
+
+// a row of n floats into a row of keys or values as stored (float32, bfloat16 or float16)
+template <typename T>
+inline void put_row(const float* src, int64_t n, T* dst) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<T>(src[j]);
+}
+inline void put_row(const float* src, int64_t n, c10::Half* dst) { floats_to_halves(src, dst, n); }
+inline void put_row(const float* src, int64_t n, float* dst) { std::copy_n(src, n, dst); }
+
 // sum of a[j] * b[j] in a fixed order (8 lanes, then the lanes; the tail after them)
 inline float dot_floats(const float* a, const float* b, int64_t n) {
   int64_t j = 0;
@@ -3212,9 +3232,7 @@ void write_rows(const std::vector<at::Tensor>& stores, const at::Tensor& x, cons
       int64_t store = store_of[bi * t + ti], slot = slot_of[bi * t + ti];
       if (store < 0) continue;
       for (int64_t hi = 0; hi < h; ++hi) {
-        T* dst = const_cast<T*>(at_.at(store, hi, slot));
-        const float* row = src + ((bi * h + hi) * t + ti) * d;
-        for (int64_t j = 0; j < d; ++j) dst[j] = static_cast<T>(row[j]);
+        put_row(src + ((bi * h + hi) * t + ti) * d, d, const_cast<T*>(at_.at(store, hi, slot)));
       }
     }
 }
@@ -3487,11 +3505,11 @@ void write_quant(const std::vector<at::Tensor>& k_stores, const std::vector<at::
         auto* kwin = const_cast<WindowRow<BITS>*>(kw.at(bi, hi, sink));
         auto* vwin = const_cast<WindowRow<BITS>*>(vw.at(bi, hi, sink));
         const float *krow = kx + ((bi * h + hi) * t + ti) * d, *vrow = vx + ((bi * h + hi) * t + ti) * d;
-        std::copy_n(krow, d, kwin + (p % ring) * d);
-        std::copy_n(vrow, d, vwin + (p % ring) * d);
+        put_row(krow, d, kwin + (p % ring) * d);
+        put_row(vrow, d, vwin + (p % ring) * d);
         if (p < sink) {  // the sink's rows come first in the window tensor
-          std::copy_n(krow, d, const_cast<WindowRow<BITS>*>(kw.at(bi, hi, p)));
-          std::copy_n(vrow, d, const_cast<WindowRow<BITS>*>(vw.at(bi, hi, p)));
+          put_row(krow, d, const_cast<WindowRow<BITS>*>(kw.at(bi, hi, p)));
+          put_row(vrow, d, const_cast<WindowRow<BITS>*>(vw.at(bi, hi, p)));
         }
         if (!quantize) continue;
         for (int64_t r = 0; r < bs; ++r) {
