@@ -8,9 +8,12 @@ prompt in pieces of 16 give first-token logits that differ by several units (mea
 
 from __future__ import annotations
 
+import random
+from dataclasses import dataclass
+
 import pytest
 import torch
-from engine_helpers import greedy, one_torch_thread
+from engine_helpers import english_ids, greedy, one_torch_thread
 
 from engine.chat import Message, prompt_ids
 from engine.config import EngineConfig
@@ -23,11 +26,11 @@ TOPICS = ("a lighthouse keeper", "a lost robot", "the first bakery on Mars", "a 
 NEW_TOKENS = 40
 
 
-def serve_like_engine(default_weights, kv_dtype: str = "float16", **config) -> Engine:
+def serve_like_engine(default_weights, kv_dtype: str = "float16", block_size: int = 16, **config) -> Engine:
     """The default model as `serve` runs it here (its auto choices on this machine: int4 weights, float16 KV;
     every float KV precision is exact), paged in blocks of 16."""
     model = LlamaModel.from_hf_state_dict(default_weights.config, default_weights.state_dict)
-    return Engine(model, default_weights.tokenizer, EngineConfig(cache="paged", block_size=16, weights="int4",
+    return Engine(model, default_weights.tokenizer, EngineConfig(cache="paged", block_size=block_size, weights="int4",
                                                                  kv_dtype=kv_dtype, **config), default_weights.name)
 
 
@@ -56,14 +59,15 @@ class Streams:
         return [o.token_id for o in self.outputs[rid] if o.token_id is not None]
 
 
-def run(sched: Scheduler, prompts: list[list[int]], start_every: int = 0) -> list[list[int]]:
+def run(sched: Scheduler, prompts: list[list[int]], start_every: int = 0, new_tokens: int = NEW_TOKENS
+        ) -> list[list[int]]:
     """Submit the prompts (all at once, or one every `start_every` ticks while the others run) and tick until every
     request has finished; -> their tokens."""
     streams, ids, pending, ticks = Streams(), [], list(prompts), 0
     while pending or not all(streams.done(i) for i in ids):
         if pending and (not start_every or ticks % start_every == 0):
             arriving, pending = (pending, []) if not start_every else (pending[:1], pending[1:])
-            ids += [sched.submit(p, greedy(NEW_TOKENS), streams.sink) for p in arriving]
+            ids += [sched.submit(p, greedy(new_tokens), streams.sink) for p in arriving]
         sched.tick()
         ticks += 1
     return [streams.tokens(i) for i in ids]
@@ -95,6 +99,61 @@ def test_a_preempted_request_is_recomputed_to_the_same_tokens(serve_engine, defa
         together = run(sched, prompts)
     assert sched.stats().num_preemptions >= 1
     assert together == alone
+
+
+@dataclass(frozen=True)
+class Arrival:
+    prompt: list[int]
+    new_tokens: int
+    tick: int  # submitted at this tick
+    cancel_after: int | None = None  # ticks after its submission; None: runs to its length
+
+
+def random_workload(engine: Engine, seed: int, requests: int = 9) -> list[Arrival]:
+    """Real English prompts, most of them behind one of three shared prefixes (a system prompt's, whose blocks
+    are computed by whichever request comes first), arriving within eight ticks; one in six cancelled."""
+    rng = random.Random(seed)
+    text = english_ids(engine.tokenizer, 3000)
+    prefixes = [text[a:a + rng.randint(20, 80)] for a in rng.sample(range(2800), 3)]
+    return [Arrival(prompt=rng.choice([*prefixes, []]) + text[(b := rng.randint(0, 2800)):b + rng.randint(1, 80)],
+                    new_tokens=rng.randint(1, 40), tick=rng.randint(0, 8),
+                    cancel_after=rng.randint(1, 20) if rng.random() < 1 / 6 else None)
+            for _ in range(requests)]
+
+
+def run_workload(sched: Scheduler, workload: list[Arrival]) -> list[tuple[list[int], str]]:
+    """Submit and cancel each arrival at its tick, tick until all have finished; -> (tokens, finish reason) each."""
+    streams, ids, ticks = Streams(), {}, 0
+    while len(ids) < len(workload) or not all(streams.done(r) for r in ids.values()):
+        for i, a in enumerate(workload):
+            if i not in ids and a.tick <= ticks:
+                ids[i] = sched.submit(a.prompt, greedy(a.new_tokens), streams.sink)
+            elif i in ids and a.cancel_after is not None and ticks == a.tick + a.cancel_after:
+                sched.cancel(ids[i])
+        sched.tick()
+        ticks += 1
+    return [(streams.tokens(ids[i]), streams.outputs[ids[i]][-1].finish_reason) for i in range(len(workload))]
+
+
+@pytest.mark.parametrize("kv_dtype, block_size, seed", [("float16", 16, 3), ("int8", 8, 7)])
+def test_a_random_workload_on_a_small_pool_gives_every_finished_stream_its_tokens_alone(default_weights, kv_dtype,
+                                                                                       block_size, seed):
+    """Arrivals over time, shared prefixes computed in flight or taken from the prefix cache, cancellations, a
+    pool that cannot hold every request (preemptions): each request that ran to its length has the tokens it
+    gets alone (one request at a time, on another engine)."""
+    with one_torch_thread():
+        engine = serve_like_engine(default_weights, kv_dtype, block_size, pool_tokens=256, max_context=256)
+        workload = random_workload(engine, seed)
+        sched = Scheduler(engine)
+        together = run_workload(sched, workload)
+        fresh = serve_like_engine(default_weights, kv_dtype, block_size, max_context=256)
+        alone = [run(Scheduler(fresh), [a.prompt], new_tokens=a.new_tokens)[0] for a in workload]
+    stats = sched.stats()
+    assert stats.num_preemptions >= 1 and stats.prefix_hits > 0  # the workload did reach those paths
+    finished = [i for i, (_, reason) in enumerate(together) if reason == "length"]
+    assert len(finished) >= len(workload) // 2
+    assert [together[i][0] for i in finished] == [alone[i] for i in finished]
+    assert engine.cache.pool.num_used == 0
 
 
 def test_logits_of_a_prompt_cut_into_pieces_equal_those_of_other_cuts(serve_engine):
