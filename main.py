@@ -123,8 +123,23 @@ def add_serve_parser(sub) -> None:
                             "KVSCOPE_MAX_BODY_BYTES, else 4 MiB)")
 
 
+def check_kv_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A KV precision the chosen cache cannot take is refused here, with what to ask for instead."""
+    cache, kv = getattr(args, "cache", None), getattr(args, "kv_dtype", None)
+    if kv in (None, "auto"):
+        return
+    if cache == "none":
+        parser.error("--cache none keeps no keys or values, so --kv-dtype does not apply to it: leave --kv-dtype out, "
+                     "or choose --cache contiguous or paged")
+    if cache == "paged-int8" and kv != "int8":
+        parser.error(f"--cache paged-int8 is the paged cache in int8; for {kv} keys and values ask for "
+                     f"--cache paged --kv-dtype {kv}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_kv_options(parser, args)
     command = args.command or "gui"
     if getattr(args, "threads", None):
         import torch

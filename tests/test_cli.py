@@ -163,6 +163,26 @@ def test_every_command_takes_a_kv_precision(command):
 
 
 @pytest.mark.default_model
+@pytest.mark.parametrize("argv, advice", [
+    (["chat", "--cache", "paged-int8", "--kv-dtype", "int4"], "--cache paged --kv-dtype int4"),
+    (["serve", "--cache", "none", "--kv-dtype", "int8"], "keeps no keys or values"),
+    (["gui", "--cache", "paged-int8", "--kv-dtype", "float16"], "--cache paged --kv-dtype float16"),
+])
+def test_a_precision_the_cache_cannot_take_is_refused_with_what_to_ask_instead(argv, advice, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main.main(argv)
+    assert exit_info.value.code == 2 and advice in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["chat", "--cache", "paged-int8", "--kv-dtype", "int8"],
+                                  ["chat", "--cache", "paged-int8", "--kv-dtype", "auto"],
+                                  ["serve", "--cache", "contiguous", "--kv-dtype", "int4"],
+                                  ["chat", "--cache", "none"]])
+def test_a_precision_the_cache_takes_passes_the_check(argv):
+    parser = main.build_parser()
+    main.check_kv_options(parser, parser.parse_args(argv))  # no SystemExit
+
+
 def test_chat_keeps_its_cache_in_the_precision_it_was_given(default_weights):
     from engine.kv.precision import bytes_per_token
 
