@@ -1912,6 +1912,36 @@ void attend_tile(const float* q, float* part, const K& keys, const V& values, co
 // reads), int8's one part block in the activations' float32 (exact until the block fills)
 template <int BITS> using WindowRow = std::conditional_t<BITS == 4, c10::Half, float>;
 
+// A thread's buffers for the quantized attention's tasks: found once a task (QuantStores hands them out with its
+// rows), where a thread_local a buffer was looked up on every use (a call into the loader each time, with its
+// guard): ~5-8% of the int4 attention over 4,096 tokens in the processor's caches.
+template <int BITS>
+struct QuantScratch {
+  std::vector<const uint8_t*> k_code, v_code;  // a tile's rows of codes, and its scales (QuantStores)
+  std::vector<const uint16_t*> k_prm, v_prm;
+  std::vector<float> scores;  // attend_tile
+  std::vector<const WindowRow<BITS>*> window_k, window_v;
+  std::vector<int64_t> last;
+  std::vector<float> scale, minimum, weights, bias;  // weigh_quantized
+  std::vector<int64_t> active;
+  std::vector<float> dw, qs, raw;  // the integer paths' weight grids, query scratch, the float path's codes
+  std::vector<const float*> raw_rows;
+  std::vector<uint8_t> w8, unpacked;
+  std::vector<int16_t> w16, wide, qi;
+  std::vector<int8_t> qb;
+#ifdef KVSCOPE_AVX2
+  std::vector<__m256i> pairs, acc256;
+#endif
+#ifdef __AVX512F__
+  std::vector<__m512i> quads;
+  std::vector<__m512> acc512;
+#endif
+  static QuantScratch& of_this_thread() {
+    thread_local QuantScratch scratch;
+    return scratch;
+  }
+};
+
 template <int BITS>
 struct QuantRows {
   int64_t first = 0, full = 0, ring = 1;  // ring: the window's rows (position p in row p % ring)
@@ -1925,6 +1955,7 @@ struct QuantRows {
   int64_t block_size = 1;  // positions [k bs, (k + 1) bs) share a block's key scales and adjacent rows
   int64_t block_end(int64_t p, int64_t limit) const { return std::min(limit, (p / block_size + 1) * block_size); }
   const WindowRow<BITS>* window = nullptr;     // [ring, D] rows
+  QuantScratch<BITS>* scratch = nullptr;  // the task's thread's buffers
 };
 
 template <int BITS>
@@ -2362,6 +2393,14 @@ inline __m512 score_quads(const __m512i* quads, int64_t d_, const QueryParts& qp
 
 // score_int_block's sums, 16 tokens at a time: the scores of every vector against one block [s, e); D16: d / 16
 // where known when compiled (the loops unrolled, a block's parameters and query in registers), else 0
+// n QueryParts for a block seen by more vectors than a decode row has (a prefill's rows): the thread's own, kept
+// between calls (out of line: a thread_local declared in the block loop is looked up each time it is passed)
+__attribute__((noinline)) QueryParts* many_query_parts(int64_t n) {
+  thread_local std::vector<QueryParts> many;
+  many.resize(n);
+  return many.data();
+}
+
 template <int BITS, int D16>
 void score_block_512(const float* q, const uint8_t* const* code, const uint16_t* prm, const int64_t* last,
                      int64_t nq, int64_t d, int64_t s, int64_t e, int64_t k0, float* scores, int64_t padded,
@@ -2370,8 +2409,7 @@ void score_block_512(const float* q, const uint8_t* const* code, const uint16_t*
   int each = static_cast<int>((ahead->left() + chunks * (nq + 1)) / (chunks * (nq + 1) + 1));  // a share a step
   __m512i quads[64];
   QueryParts few[8];  // a decode row's vectors on the stack: a thread_local costs a call into the loader
-  thread_local std::vector<QueryParts> many;
-  QueryParts* parts = nq <= 8 ? few : (many.resize(nq), many.data());
+  QueryParts* parts = nq <= 8 ? few : many_query_parts(nq);
   const float* qv[4];
   QueryParts* out[4];
   int nv = 0;
@@ -2617,13 +2655,12 @@ constexpr int64_t VALUES_AHEAD = 64;  // the value phase prefetches the codes of
 template <int BITS>
 void weigh_values_512(const uint8_t* const* rows, int64_t n, int64_t ahead, int64_t d,
                       const std::vector<int64_t>& active, const float* weights, int64_t stride_w, const float* bias,
-                      float* part, int64_t stride) {
+                      float* part, int64_t stride, QuantScratch<BITS>& scratch) {
   alignas(64) static const uint8_t zeros[256] = {};  // the partners of a last chunk's last tokens (weight 0)
   int64_t regs = d / 16, chunks = (n + WEIGHT_CHUNK - 1) / WEIGHT_CHUNK, nv = active.size();
-  thread_local std::vector<uint8_t> w8;
-  thread_local std::vector<float> dw;
-  thread_local std::vector<__m512i> quads;
-  thread_local std::vector<__m512> acc;
+  auto &w8 = scratch.w8, &quads = scratch.quads;
+  auto& dw = scratch.dw;
+  auto& acc = scratch.acc512;
   w8.resize(nv * chunks * WEIGHT_CHUNK);
   dw.resize(nv * chunks);
   acc.resize(nv * regs);
@@ -2663,16 +2700,16 @@ void weigh_values_512(const uint8_t* const* rows, int64_t n, int64_t ahead, int6
 template <int BITS>
 inline void weigh_int_values(const uint8_t* const* rows, int64_t n, int64_t ahead, int64_t d,
                              const std::vector<int64_t>& active, const float* weights, int64_t stride_w,
-                             const float* bias, float* part, int64_t stride) {
+                             const float* bias, float* part, int64_t stride, QuantScratch<BITS>& scratch) {
 #ifdef KVSCOPE_KV512
   if (kv512_values(BITS, d))
-    return weigh_values_512<BITS>(rows, n, ahead, d, active, weights, stride_w, bias, part, stride);
+    return weigh_values_512<BITS>(rows, n, ahead, d, active, weights, stride_w, bias, part, stride, scratch);
 #endif
   int64_t dp = padded_channels(d), regs = dp / 8, chunks = (n + WEIGHT_CHUNK - 1) / WEIGHT_CHUNK, nv = active.size();
-  thread_local std::vector<int16_t> w16;
-  thread_local std::vector<float> dw;
-  thread_local std::vector<uint8_t> unpacked;
-  thread_local std::vector<__m256i> pairs, acc;
+  auto& w16 = scratch.w16;
+  auto& dw = scratch.dw;
+  auto& unpacked = scratch.unpacked;
+  auto &pairs = scratch.pairs, &acc = scratch.acc256;
   w16.resize(nv * chunks * WEIGHT_CHUNK);
   dw.resize(nv * chunks);
   for (int64_t v = 0; v < nv; ++v)
@@ -2787,15 +2824,15 @@ inline void prefetch_codes(const QuantRows<BITS>& keys, const QuantRows<BITS>& v
 template <int BITS>
 inline void score_int_block(const float* q, const uint8_t* const* code, const uint16_t* prm, const int64_t* last,
                              int64_t nq, int64_t d, int64_t s, int64_t e, int64_t k0, float* scores, int64_t padded,
-                            Prefetches* ahead) {
+                            Prefetches* ahead, QuantScratch<BITS>& scratch) {
 #ifdef KVSCOPE_KV512
   if (kv512_keys(BITS, d)) return score_block_512_any<BITS>(q, code, prm, last, nq, d, s, e, k0, scores, padded, ahead);
 #endif
   ahead->issue(ahead->left());
 #ifdef KVSCOPE_AVX2
-  thread_local std::vector<float> qs;
-  thread_local std::vector<uint8_t> unpacked;
-  thread_local std::vector<int16_t> wide, qi;
+  auto& qs = scratch.qs;
+  auto& unpacked = scratch.unpacked;
+  auto &wide = scratch.wide, &qi = scratch.qi;
   int64_t dp = padded_channels(d);
   qs.resize(dp);
   TORCH_CHECK(d <= 256, "quantized keys: head_dim up to 256");
@@ -2805,7 +2842,7 @@ inline void score_int_block(const float* q, const uint8_t* const* code, const ui
     _mm256_store_ps(sc + j, scale), _mm256_store_ps(mn + j, minimum);
   }
   if constexpr (BITS == 4) {  // codes as bytes against a one-part int8 query
-    thread_local std::vector<int8_t> qb;
+    auto& qb = scratch.qb;
     unpacked.resize((e - s) * dp);
     unpack_codes<BITS>(code, e - s, d, dp, unpacked.data());
     qb.resize(dp);
@@ -2838,9 +2875,10 @@ inline void score_int_block(const float* q, const uint8_t* const* code, const ui
 // as score_int_block, from the block's codes turned into floats once (without AVX2)
 template <int BITS>
 void score_block_floats(const float* q, const uint8_t* const* code, const uint16_t* prm, const int64_t* last,
-                        int64_t nq, int64_t d, int64_t s, int64_t e, int64_t k0, float* scores, int64_t padded) {
-  thread_local std::vector<float> qs, raw;
-  thread_local std::vector<const float*> raw_rows;
+                        int64_t nq, int64_t d, int64_t s, int64_t e, int64_t k0, float* scores, int64_t padded,
+                        QuantScratch<BITS>& scratch) {
+  auto &qs = scratch.qs, &raw = scratch.raw;
+  auto& raw_rows = scratch.raw_rows;
   qs.resize(d);
   raw.resize((e - s) * d);
   raw_rows.resize(e - s);
@@ -2889,6 +2927,7 @@ template <int BITS>
 void score_quantized(const float* q, const QuantRows<BITS>& keys, const QuantRows<BITS>& values, const int64_t* last,
                      int64_t nq, int64_t d, int64_t k0, int64_t qstart, int64_t qend, float* scores, int64_t padded) {
   constexpr bool INTEGER = KVSCOPE_INT_DOTS;
+  QuantScratch<BITS>& scratch = *keys.scratch;
   LaterRows later = later_rows(keys, k0, qstart);
   Prefetches ahead;  // the lines of the positions PREFETCH_AHEAD on, issued while a block is scored (on the stack:
                      // a thread_local's address is a call into the loader, which the compiler repeats in loops)
@@ -2903,8 +2942,8 @@ void score_quantized(const float* q, const QuantRows<BITS>& keys, const QuantRow
     else
       prefetch_codes(keys, values, s + PREFETCH_AHEAD, e + PREFETCH_AHEAD, d * BITS / 8, d);
     const uint8_t* const* code = keys.code + (s - keys.first);
-    if constexpr (INTEGER) score_int_block<BITS>(q, code, prm, last, nq, d, s, e, k0, scores, padded, &ahead);
-    else ahead.issue(ahead.left()), score_block_floats<BITS>(q, code, prm, last, nq, d, s, e, k0, scores, padded);
+    if constexpr (INTEGER) score_int_block<BITS>(q, code, prm, last, nq, d, s, e, k0, scores, padded, &ahead, scratch);
+    else ahead.issue(ahead.left()), score_block_floats<BITS>(q, code, prm, last, nq, d, s, e, k0, scores, padded, scratch);
     ahead.issue(ahead.left());
   }
 }
@@ -2975,8 +3014,9 @@ template <int BITS>
 void weigh_quantized(const float* scores, int64_t padded, const QuantRows<BITS>& values, const int64_t* last,
                      int64_t nq, int64_t d, int64_t k0, int64_t qstart, int64_t qend, float* part) {
   int64_t n = qend - qstart, even = (n + 1) / 2 * 2, stride = d + 2;
-  thread_local std::vector<float> scale, minimum, weights, bias;
-  thread_local std::vector<int64_t> active;
+  QuantScratch<BITS>& scratch = *values.scratch;
+  auto &scale = scratch.scale, &minimum = scratch.minimum, &weights = scratch.weights, &bias = scratch.bias;
+  auto& active = scratch.active;
   scale.assign(even, 0.f);
   minimum.assign(even, 0.f);
   value_params<BITS>(values.param + (qstart - values.first), n, scale.data(), minimum.data());
@@ -3005,7 +3045,7 @@ void weigh_quantized(const float* scores, int64_t padded, const QuantRows<BITS>&
 #ifdef KVSCOPE_AVX2
   if constexpr (KVSCOPE_INT_DOTS)
     return weigh_int_values<BITS>(rows, upto, values.known - qstart - upto, d, active, weights.data(), even,
-                                  bias.data(), part, stride);
+                                  bias.data(), part, stride, scratch);
   for (size_t a = 0; a < active.size(); a += 3) {  // three vectors at a time: 12 accumulators of 8 lanes
     const float* w[3];
     float* out[3];
@@ -3016,8 +3056,8 @@ void weigh_quantized(const float* scores, int64_t padded, const QuantRows<BITS>&
     if (nv == 1) weigh_codes<BITS, 1>(w, rows, upto, d, out);
   }
 #else
-  thread_local std::vector<float> raw;
-  thread_local std::vector<const float*> raw_rows;
+  auto& raw = scratch.raw;
+  auto& raw_rows = scratch.raw_rows;
   raw.resize(upto * d);
   raw_rows.resize(upto);
   codes_to_floats<BITS>(rows, upto, d, raw.data());
@@ -3036,9 +3076,10 @@ void attend_tile(const float* q, float* part, const QuantRows<BITS>& keys, const
                  const int32_t* pos, int64_t rows, int64_t group, int64_t d, int64_t k0, int64_t k1) {
   int64_t n = k1 - k0, padded = (n + 7) / 8 * 8, nq = rows * group, stride = d + 2;
   int64_t qstart = std::clamp(keys.sink, k0, k1), qend = std::clamp(keys.full, qstart, k1);  // codes: [qstart, qend)
-  thread_local std::vector<float> scores;
-  thread_local std::vector<const WindowRow<BITS>*> window_k, window_v;
-  thread_local std::vector<int64_t> last;  // each vector's last key in this tile, from k0
+  QuantScratch<BITS>& scratch = *keys.scratch;
+  auto& scores = scratch.scores;
+  auto &window_k = scratch.window_k, &window_v = scratch.window_v;
+  auto& last = scratch.last;  // each vector's last key in this tile, from k0
   scores.resize(nq * padded);  // every score up to a vector's last key is written, the rest set by its softmax
   last.resize(nq);
   for (int64_t i = 0; i < nq; ++i) last[i] = std::min<int64_t>(pos[i / group], k1 - 1) - k0;
@@ -3046,7 +3087,7 @@ void attend_tile(const float* q, float* part, const QuantRows<BITS>& keys, const
   // full-precision rows: the sink's [k0, qstart), the window's [qend, k1), each scored in position order
   window_k.resize(n);
   window_v.resize(n);
-  const WindowRow<BITS>**wk = window_k.data(), **wv = window_v.data();  // (a thread_local's address: a call)
+  const WindowRow<BITS>**wk = window_k.data(), **wv = window_v.data();
   for (int64_t p = k0; p < qstart; ++p) wk[p - k0] = keys.sink_rows + p * d, wv[p - k0] = values.sink_rows + p * d;
   for (int64_t p = qend, row = qend % keys.ring; p < k1; ++p, row = row + 1 == keys.ring ? 0 : row + 1) {
     wk[p - k0] = keys.window + row * d;  // (keys and values share the ring's length)
@@ -3135,6 +3176,12 @@ StepMap step_map(const at::Tensor& table, const at::Tensor& block_store, const a
           q_pos.data_ptr<int32_t>(), table.size(1), block_size, q_pos.size(1)};
 }
 
+// the thread's buffer for a task's query vectors, scaled
+inline std::vector<float>& scaled_queries() {
+  thread_local std::vector<float> qg;
+  return qg;
+}
+
 // tasks: (sequence, KV head, 16 query rows, key tile); make_rows(b, h, k0, k1) -> (key rows, value rows)
 template <typename MakeRows>
 at::Tensor run_attention(const at::Tensor& q, const StepMap& map, MakeRows make_rows) {
@@ -3168,7 +3215,7 @@ at::Tensor run_attention(const at::Tensor& q, const StepMap& map, MakeRows make_
   const float* qb = q.data_ptr<float>();
   const int64_t tasks = static_cast<int64_t>(work.size());
   parallel_chunks(tasks, two_a_thread(tasks, 1), [&](int64_t w0, int64_t w1) {
-    thread_local std::vector<float> qg;
+    std::vector<float>& qg = scaled_queries();  // (looked up once a chunk of tasks)
     for (int64_t w = w0; w < w1; ++w) {
       const Work& job = work[w];
       const int32_t* pos = map.q_pos + job.b * t + job.r0;
@@ -3321,11 +3368,13 @@ struct QuantStores {
   int64_t residual, ring, sink;
   int64_t num_kv_heads() const { return hkv; }
   // the rows of tile [k0, k1) of sequence b, head h; their address tables live in the thread's scratch until
-  // its next call
+  // its next call, which the rows carry to the tile's other buffers
   std::pair<QuantRows<BITS>, QuantRows<BITS>> operator()(int64_t b, int64_t h, int64_t k0, int64_t k1) const {
-    thread_local std::vector<const uint8_t*> k_code, v_code;
-    thread_local std::vector<const uint16_t*> k_prm, v_prm;
+    QuantScratch<BITS>& scratch = QuantScratch<BITS>::of_this_thread();
+    auto &k_code = scratch.k_code, &v_code = scratch.v_code;
+    auto &k_prm = scratch.k_prm, &v_prm = scratch.v_prm;
     QuantRows<BITS> keys, values;
+    keys.scratch = values.scratch = &scratch;
     int64_t end = map.kv_len(b), full = quantized_end(upto[b], end, residual, map.block_size), bs = map.block_size;
     keys.full = values.full = full;
     keys.end = values.end = end;
@@ -3342,7 +3391,7 @@ struct QuantStores {
     k_code.resize(known), v_code.resize(known), k_prm.resize(known), v_prm.resize(known);
     keys.known = values.known = k0 + known;
     keys.code = k_code.data(), values.code = v_code.data(), keys.param = k_prm.data(), values.param = v_prm.data();
-    // filled through plain pointers: the compiler repeats a thread_local's address lookup (a call) in loops
+    // filled through plain pointers (the tables are the scratch's vectors)
     auto kcode = const_cast<const uint8_t**>(keys.code), vcode = const_cast<const uint8_t**>(values.code);
     auto kprm = const_cast<const uint16_t**>(keys.param), vprm = const_cast<const uint16_t**>(values.param);
     map.each_block(b, std::max(k0, std::min(sink, k0 + quantized)), k0 + known,
