@@ -2391,8 +2391,6 @@ inline __m512 score_quads(const __m512i* quads, int64_t d_, const QueryParts& qp
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(qp.dq), _mm512_set1_ps(qp.bias));
 }
 
-// score_int_block's sums, 16 tokens at a time: the scores of every vector against one block [s, e); D16: d / 16
-// where known when compiled (the loops unrolled, a block's parameters and query in registers), else 0
 // n QueryParts for a block seen by more vectors than a decode row has (a prefill's rows): the thread's own, kept
 // between calls (out of line: a thread_local declared in the block loop is looked up each time it is passed)
 __attribute__((noinline)) QueryParts* many_query_parts(int64_t n) {
@@ -2401,6 +2399,8 @@ __attribute__((noinline)) QueryParts* many_query_parts(int64_t n) {
   return many.data();
 }
 
+// score_int_block's sums, 16 tokens at a time: the scores of every vector against one block [s, e); D16: d / 16
+// where known when compiled (the loops unrolled, a block's parameters and query in registers), else 0
 template <int BITS, int D16>
 void score_block_512(const float* q, const uint8_t* const* code, const uint16_t* prm, const int64_t* last,
                      int64_t nq, int64_t d, int64_t s, int64_t e, int64_t k0, float* scores, int64_t padded,
