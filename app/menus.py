@@ -31,7 +31,8 @@ KV_DTYPE_HINTS = {
     "bfloat16": "2 bytes per element, float32's range",
     "float16": "2 bytes per element, llama.cpp's default cache",
     "int8": "1 byte per element plus float16 scales",
-    "int4": "half a byte per element: keys per channel, values per token, float16 scales, a full-precision window",
+    "int4": "half a byte per element (keys per channel, values per token); the newest 128 tokens in float16, so a "
+            "reply can depend on what the cache held before",
 }
 KV_DTYPE_TIP = " (a new cache: the next turn prefills the history; 'none' keeps no cache)"
 
