@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.config import BLOCK_SIZES, CACHE_STRATEGIES, KV_DTYPES, WEIGHT_FORMATS
+from engine.config import BLOCK_SIZES, CACHE_PRESETS, CACHE_STRATEGIES, KV_DTYPES, WEIGHT_FORMATS
 
 
 def add_model_options(p: argparse.ArgumentParser, default_cache: str | None = "paged") -> None:
@@ -131,9 +131,10 @@ def check_kv_options(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     if cache == "none":
         parser.error("--cache none keeps no keys or values, so --kv-dtype does not apply to it: leave --kv-dtype out, "
                      "or choose --cache contiguous or paged")
-    if cache == "paged-int8" and kv != "int8":
-        parser.error(f"--cache paged-int8 is the paged cache in int8; for {kv} keys and values ask for "
-                     f"--cache paged --kv-dtype {kv}")
+    layout, fixed = CACHE_PRESETS.get(cache, (cache, None))
+    if fixed is not None and kv != fixed:
+        parser.error(f"--cache {cache} is the {layout} cache in {fixed}; for {kv} keys and values ask for "
+                     f"--cache {layout} --kv-dtype {kv}")
 
 
 def main(argv: list[str] | None = None) -> int:

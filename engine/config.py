@@ -14,6 +14,7 @@ from engine.architectures import (
 )
 
 CACHE_STRATEGIES = ("none", "contiguous", "paged", "paged-int8")
+CACHE_PRESETS = {"paged-int8": ("paged", "int8")}  # strategy names that fix a layout and its precision
 WEIGHT_FORMATS = ("auto", "float32", "bfloat16", "int8", "int4")
 BLOCK_SIZES = (1, 8, 16, 32, 64)
 SUPPORTED_ARCHITECTURES = tuple(BY_HF_ARCHITECTURE)  # engine/architectures.py: one row per family

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.config import CACHE_PRESETS
 from engine.kv import quant
 from engine.kv.base import KVCache
 from engine.kv.contiguous import ContiguousCache
@@ -13,8 +14,6 @@ from engine.kv.contiguous_quant import ContiguousQuantCache
 from engine.kv.paged import PagedCache
 from engine.kv.paged_quant import PagedQuantCache
 from engine.kv.recompute import RecomputeCache
-
-PRESETS = {"paged-int8": ("paged", "int8")}  # names that fix a layout and its precision
 
 
 @dataclass(frozen=True)
@@ -30,7 +29,7 @@ class CacheShape:
 
 def split_strategy(strategy: str, precision: str) -> tuple[str, str]:
     """(layout, precision): a preset name fixes both, a layout takes the precision given."""
-    return PRESETS.get(strategy, (strategy, precision))
+    return CACHE_PRESETS.get(strategy, (strategy, precision))
 
 
 def new_cache(strategy: str, precision: str, shape: CacheShape, block_size: int = 16,
