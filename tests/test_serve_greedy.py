@@ -59,48 +59,6 @@ class Streams:
         return [o.token_id for o in self.outputs[rid] if o.token_id is not None]
 
 
-def run(sched: Scheduler, prompts: list[list[int]], start_every: int = 0, new_tokens: int = NEW_TOKENS
-        ) -> list[list[int]]:
-    """Submit the prompts (all at once, or one every `start_every` ticks while the others run) and tick until every
-    request has finished; -> their tokens."""
-    streams, ids, pending, ticks = Streams(), [], list(prompts), 0
-    while pending or not all(streams.done(i) for i in ids):
-        if pending and (not start_every or ticks % start_every == 0):
-            arriving, pending = (pending, []) if not start_every else (pending[:1], pending[1:])
-            ids += [sched.submit(p, greedy(new_tokens), streams.sink) for p in arriving]
-        sched.tick()
-        ticks += 1
-    return [streams.tokens(i) for i in ids]
-
-
-@pytest.mark.parametrize("kv_dtype", ["float16", "int8"])  # int8: its blocks fill at a piece's end, as alone
-def test_concurrent_greedy_streams_equal_each_request_alone(default_weights, kv_dtype):
-    with one_torch_thread():
-        engine = serve_like_engine(default_weights, kv_dtype)
-        prompts = [story(engine, t) for t in TOPICS]
-        sched = Scheduler(engine, SchedulerConfig(max_concurrency=16))
-        alone = [run(sched, [p])[0] for p in prompts]  # the later ones hit the earlier ones' cached blocks
-        together = run(sched, prompts)  # every prompt's own blocks are cached now: other hits, other pieces
-        staggered = run(sched, prompts[::-1], start_every=5)  # arriving while the others decode
-    assert all(len(t) == NEW_TOKENS for t in alone)
-    assert together == alone
-    assert staggered == alone[::-1]
-    assert sched.stats().prefix_hits > 0 and sched.cache.pool.num_used == 0
-
-
-def test_a_preempted_request_is_recomputed_to_the_same_tokens(serve_engine, default_weights):
-    """A pool too small for all of them: the newest request is preempted and its prompt and reply recomputed in
-    pieces; its tokens are still those it gives alone."""
-    with one_torch_thread():
-        prompts = [story(serve_engine, t) for t in TOPICS[:4]]
-        small = serve_like_engine(default_weights, pool_tokens=256, max_context=256)
-        sched = Scheduler(small)
-        alone = [run(sched, [p])[0] for p in prompts]
-        together = run(sched, prompts)
-    assert sched.stats().num_preemptions >= 1
-    assert together == alone
-
-
 @dataclass(frozen=True)
 class Arrival:
     prompt: list[int]
@@ -133,6 +91,42 @@ def run_workload(sched: Scheduler, workload: list[Arrival]) -> list[tuple[list[i
         sched.tick()
         ticks += 1
     return [(streams.tokens(ids[i]), streams.outputs[ids[i]][-1].finish_reason) for i in range(len(workload))]
+
+
+def run(sched: Scheduler, prompts: list[list[int]], start_every: int = 0, new_tokens: int = NEW_TOKENS
+        ) -> list[list[int]]:
+    """Submit the prompts (all at once, or one every `start_every` ticks while the others run) and tick until every
+    request has finished; -> their tokens."""
+    arrivals = [Arrival(p, new_tokens, tick=i * start_every) for i, p in enumerate(prompts)]
+    return [tokens for tokens, _ in run_workload(sched, arrivals)]
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "int8"])  # int8: its blocks fill at a piece's end, as alone
+def test_concurrent_greedy_streams_equal_each_request_alone(default_weights, kv_dtype):
+    with one_torch_thread():
+        engine = serve_like_engine(default_weights, kv_dtype)
+        prompts = [story(engine, t) for t in TOPICS]
+        sched = Scheduler(engine, SchedulerConfig(max_concurrency=16))
+        alone = [run(sched, [p])[0] for p in prompts]  # the later ones hit the earlier ones' cached blocks
+        together = run(sched, prompts)  # every prompt's own blocks are cached now: other hits, other pieces
+        staggered = run(sched, prompts[::-1], start_every=5)  # arriving while the others decode
+    assert all(len(t) == NEW_TOKENS for t in alone)
+    assert together == alone
+    assert staggered == alone[::-1]
+    assert sched.stats().prefix_hits > 0 and sched.cache.pool.num_used == 0
+
+
+def test_a_preempted_request_is_recomputed_to_the_same_tokens(serve_engine, default_weights):
+    """A pool too small for all of them: the newest request is preempted and its prompt and reply recomputed in
+    pieces; its tokens are still those it gives alone."""
+    with one_torch_thread():
+        prompts = [story(serve_engine, t) for t in TOPICS[:4]]
+        small = serve_like_engine(default_weights, pool_tokens=256, max_context=256)
+        sched = Scheduler(small)
+        alone = [run(sched, [p])[0] for p in prompts]
+        together = run(sched, prompts)
+    assert sched.stats().num_preemptions >= 1
+    assert together == alone
 
 
 @pytest.mark.parametrize("kv_dtype, block_size, seed", [("float16", 16, 3), ("int8", 8, 7)])
