@@ -117,8 +117,13 @@ def test_the_kernels_and_the_pure_pytorch_path_agree(tiny_engine_factory, layout
 
 
 GREEDY_STEPS = 48
-AGREES_FOR = {"int8": 12, "int4": 6, "bfloat16": 3}  # floors: measured 18, 18 and 4 on the AMD EPYC, 18, 8
-# and 18 on the Intel Xeon (README); the continuation has near ties, which each CPU's kernels break their way
+# float32's top two logits closer than this may go either way under the precision's rounding (and each instruction
+# set's kernels round their own way). Measured on the Intel Xeon along english_320's continuation: the AVX-512
+# kernels' disagreements sat at gaps of 0.0002 (int8, bfloat16) and 0.014 (int4, bfloat16); built for AVX2, int4 also
+# flipped gaps of 0.04, 0.17 and 0.90 (its KL there 0.00131 nats, AVX-512's 0.00136: the same accuracy), and int8
+# flipped a gap of 0.151 on a 700-token text
+NEAR_TIE = {"int8": 0.25, "int4": 1.0, "bfloat16": 0.25}
+CLEAR_DECISIONS = 35  # of the 49 positions, at least this many are not near ties (so the test says something)
 
 
 @pytest.fixture(scope="module")
@@ -127,27 +132,46 @@ def english_320(tokenizer) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def float32_greedy(default_engine, english_320) -> list[int]:
-    """The greedy continuation of english_320 through a float32 cache, shared by every precision's test."""
+def float32_greedy(default_engine, english_320) -> list[torch.Tensor]:
+    """The logits of english_320's greedy continuation through a float32 cache, shared by every precision's test."""
     default_engine.set_cache("paged", 16)
     try:
-        return [int(x.argmax()) for x in decode(default_engine, 11, english_320, GREEDY_STEPS)]
+        return decode(default_engine, 11, english_320, GREEDY_STEPS)
     finally:
         default_engine.cache.release(11)
 
 
+def teacher_forced(engine, seq_id: int, prompt: list[int], tokens: list[int]) -> list[torch.Tensor]:
+    """The prompt's last logits, then the logits after each of `tokens` fed in turn (whatever the cache would pick)."""
+    engine.cache.prepare(seq_id, prompt)
+    out = [engine.step([seq_id], [prompt])[0]]
+    out += [engine.step([seq_id], [[t]])[0] for t in tokens]
+    engine.cache.release(seq_id)
+    return out
+
+
+def top_two_gap(logits: torch.Tensor) -> float:
+    top = torch.topk(logits.float(), 2).values
+    return float(top[0] - top[1])
+
+
 @pytest.mark.default_model
 @pytest.mark.parametrize("kv", [*QUANTIZED, "bfloat16"])
-def test_greedy_decoding_agrees_with_a_float32_cache_as_long_as_measured(default_engine, english_320,
-                                                                         float32_greedy, kv):
+def test_greedy_decoding_picks_float32s_token_wherever_float32_is_not_a_near_tie(default_engine, english_320,
+                                                                                  float32_greedy, kv):
+    """Along float32's greedy continuation (its tokens fed to both), each precision picks float32's token at every
+    position where float32's top two logits are the precision's NEAR_TIE or more apart."""
+    tokens = [int(x.argmax()) for x in float32_greedy]
+    gaps = [top_two_gap(x) for x in float32_greedy]
+    assert sum(g >= NEAR_TIE[kv] for g in gaps) >= CLEAR_DECISIONS
     try:
         default_engine.set_cache("paged", 16)
         default_engine.set_kv_dtype(kv)
-        got = [int(x.argmax()) for x in decode(default_engine, 12, english_320, GREEDY_STEPS)]
-        default_engine.cache.release(12)
+        got = [int(x.argmax()) for x in teacher_forced(default_engine, 12, english_320, tokens[:-1])]
     finally:
         default_engine.set_kv_dtype(None)
         default_engine.set_cache("paged", 16)
-    same = next((i for i, (a, b) in enumerate(zip(float32_greedy, got)) if a != b), len(got))
-    print(f"\n{kv}: greedy tokens identical to float32 for {same} of {len(got)}")
-    assert same >= AGREES_FOR[kv]
+    differ = [(i, round(g, 4)) for i, (a, b, g) in enumerate(zip(tokens, got, gaps)) if a != b]
+    print(f"\n{kv}: {len(tokens) - len(differ)} of {len(tokens)} tokens as float32's; where not (position, "
+          f"float32's gap): {differ}")
+    assert all(g < NEAR_TIE[kv] for _, g in differ)
