@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.config import BLOCK_SIZES, CACHE_PRESETS, CACHE_STRATEGIES, KV_DTYPES, WEIGHT_FORMATS
+from engine.config import BLOCK_SIZES, CACHE_STRATEGIES, KV_DTYPES, WEIGHT_FORMATS, cache_preset
 
 
 def add_model_options(p: argparse.ArgumentParser, default_cache: str | None = "paged") -> None:
@@ -131,7 +131,7 @@ def check_kv_options(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     if cache == "none":
         parser.error("--cache none keeps no keys or values, so --kv-dtype does not apply to it: leave --kv-dtype out, "
                      "or choose --cache contiguous or paged")
-    layout, fixed = CACHE_PRESETS.get(cache, (cache, None))
+    layout, fixed = cache_preset(cache)
     if fixed is not None and kv != fixed:
         parser.error(f"--cache {cache} is the {layout} cache in {fixed}; for {kv} keys and values ask for "
                      f"--cache {layout} --kv-dtype {kv}")

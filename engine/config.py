@@ -20,6 +20,11 @@ BLOCK_SIZES = (1, 8, 16, 32, 64)
 SUPPORTED_ARCHITECTURES = tuple(BY_HF_ARCHITECTURE)  # engine/architectures.py: one row per family
 
 
+def cache_preset(strategy: str) -> tuple[str, str | None]:
+    """(its layout, the precision it fixes): ('paged', 'int8') for 'paged-int8', (strategy, None) for a layout."""
+    return CACHE_PRESETS.get(strategy, (strategy, None))
+
+
 class ConfigError(ValueError):
     """A configuration value is out of range or of the wrong kind."""
 

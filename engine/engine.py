@@ -13,7 +13,7 @@ import torch
 
 from engine import hugepages, loader
 from engine.chat import Conversation, PromptTooLong, fit_to_context
-from engine.config import CACHE_PRESETS, EngineConfig, SamplingParams
+from engine.config import EngineConfig, SamplingParams, cache_preset
 from engine.detokenizer import IncrementalDetokenizer
 from engine.events import DoneEvent, Event, StepEvent, TrimEvent
 from engine.kv import precision
@@ -180,7 +180,7 @@ class Engine:
         """The precision contiguous and paged caches store K/V in (None: the activations'); a new cache, as
         set_cache builds: every conversation re-prefills its history into it on its next turn."""
         strategy = self.config.cache
-        layout, fixed = CACHE_PRESETS.get(strategy, (strategy, None))
+        layout, fixed = cache_preset(strategy)
         if fixed is not None and kv_dtype != fixed:  # a preset's precision is replaced: its layout stays
             strategy = layout
         new_config = EngineConfig(**{**self.config.__dict__, "kv_dtype": kv_dtype, "cache": strategy})

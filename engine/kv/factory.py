@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import CACHE_PRESETS
+from engine.config import cache_preset
 from engine.kv import quant
 from engine.kv.base import KVCache
 from engine.kv.contiguous import ContiguousCache
@@ -27,17 +27,13 @@ class CacheShape:
     sink: int | None = None  # and its first tokens
 
 
-def split_strategy(strategy: str, precision: str) -> tuple[str, str]:
-    """(layout, precision): a preset name fixes both, a layout takes the precision given."""
-    return CACHE_PRESETS.get(strategy, (strategy, precision))
-
-
 def new_cache(strategy: str, precision: str, shape: CacheShape, block_size: int = 16,
               pool_tokens: int | None = None, budget_bytes: int | None = None) -> KVCache:
     """A layout (none, contiguous, paged, or a preset) over a precision (a float dtype's name, int8 or int4).
     `none` holds nothing and computes in the activations' dtype; a quantized cache keeps its full-precision
     rows in the activations' dtype too."""
-    layout, precision = split_strategy(strategy, precision)
+    layout, fixed = cache_preset(strategy)  # a preset name fixes the precision, a layout takes the one given
+    precision = fixed or precision
     codec = quant.CODECS.get(precision)
     dtype = shape.activation_dtype if layout == "none" or codec else getattr(torch, precision)
     args = (shape.model_config, dtype, shape.device, shape.max_context)
