@@ -367,6 +367,12 @@ inline void put_row(const float* src, int64_t n, T* dst) {
 inline void put_row(const float* src, int64_t n, c10::Half* dst) { floats_to_halves(src, dst, n); }
 inline void put_row(const float* src, int64_t n, float* dst) { std::copy_n(src, n, dst); }
 
+// a full-precision window's row (float16 or float32) -> n floats (exact either way)
+inline void row_to_floats(const c10::Half* src, int64_t n, float* dst) {
+  halves_to_floats(reinterpret_cast<const uint16_t*>(src), dst, n);
+}
+inline void row_to_floats(const float* src, int64_t n, float* dst) { std::copy_n(src, n, dst); }
+
 // sum of a[j] * b[j] in a fixed order (8 lanes, then the lanes; the tail after them)
 inline float dot_floats(const float* a, const float* b, int64_t n) {
   int64_t j = 0;
@@ -3562,8 +3568,8 @@ void write_quant(const std::vector<at::Tensor>& k_stores, const std::vector<at::
         }
         if (!quantize) continue;
         for (int64_t r = 0; r < bs; ++r) {
-          std::copy_n(kwin + ((first + r) % ring) * d, d, kb + r * d);
-          std::copy_n(vwin + ((first + r) % ring) * d, d, vb + r * d);
+          row_to_floats(kwin + ((first + r) % ring) * d, d, kb + r * d);
+          row_to_floats(vwin + ((first + r) % ring) * d, d, vb + r * d);
           kr[r] = const_cast<uint8_t*>(kq.at(store, hi, start + r));
           vr[r] = const_cast<uint8_t*>(vq.at(store, hi, start + r));
           vprm[r] = reinterpret_cast<uint16_t*>(const_cast<at::Half*>(vp.at(store, hi, start + r)));
