@@ -269,8 +269,8 @@ void parallel_chunks(int64_t n, int64_t grain, const F& f) {
 // chunks stay long (a thread reads a head's tiles in order) and the last leave little for the others to wait on. The
 // attention's tasks: with two_a_thread's equal chunks the caller waited for the last one 0.2 ms of a bfloat16 step at
 // 4,096 tokens on two threads and 0.8 ms of an int8 one (the pause loop's samples, Xeon); tapered, whole steps on two
-// threads took 0.95-1.005x the time (0.975x on average) in four alternating runs over the three precisions
-// (tapering the projections' chunks too measured no better)
+// threads took 0.95-1.005x the time (0.975x on average) at 4,096 and 512 tokens in four alternating runs over the
+// three precisions, 0.994-1.015x (noise) at 2,048 (tapering the projections' chunks too measured no better)
 template <typename F>
 void parallel_tapered(int64_t n, const F& f) {
   int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
