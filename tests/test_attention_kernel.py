@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine import kernels
+from engine.kv import quant
 from engine.kv.attention import FLOAT_STORES
 from engine.kv.quantized import WINDOW_DTYPE
 
@@ -126,47 +127,52 @@ def test_a_sequence_gives_the_same_bits_alone_and_beside_another(d):
 QUANT_HEAD_DIMS = (32, 64, 96, 128)  # int4: 64 and 128 take the AVX-512 value path, 32 and 96 the AVX2 one
 
 
-def quantized(codec, keys, values, block_size=16):
-    """keys, values [HKV, TOKENS, D] -> the codec's stores (every full block as codes: no residual, no sink), the
-    window of the last part block, their KeyMap arguments and what the codes dequantize to [HKV, full, D] each."""
+def quantized(codec, keys, values, block_size=16, sink=0):
+    """keys, values [HKV, TOKENS, D] -> the codec's stores (every full block as codes: no residual), the window
+    (the first `sink` rows, then the last part block), their KeyMap arguments and what the attention reads [HKV,
+    TOKENS, D] each: the sink's rows, then what the codes dequantize to, then the window's rows."""
     blocks, d = -(-TOKENS // block_size), keys.shape[2]
     stores = [[s[0]] for s in codec.storage(1, HKV, blocks, block_size, d, "cpu")]
-    window = torch.zeros(2, HKV, block_size, d, dtype=WINDOW_DTYPE[codec.name] or torch.float32)
+    window = torch.zeros(2, HKV, sink + block_size, d, dtype=WINDOW_DTYPE[codec.name] or torch.float32)
     table = torch.arange(blocks, dtype=torch.int32)[None]
     block_store = torch.zeros(blocks, dtype=torch.int32)
     block_start = torch.arange(blocks, dtype=torch.int32) * block_size
     where = (table, block_store, block_start, block_size)
     prefill_pos = torch.arange(TOKENS, dtype=torch.int32)[None]
     kernels.ops().write_kv_quant(*stores, [window[0]], [window[1]], keys[None], values[None], *where, prefill_pos,
-                                 torch.zeros(1, dtype=torch.int32), 0, 0, codec.bits)
+                                 torch.zeros(1, dtype=torch.int32), 0, sink, codec.bits)
     full = TOKENS // block_size * block_size
     k_codes, v_codes, k_params, v_params = (s[0] for s in stores)
+    if kernels.kv_tiled(codec.bits, d, block_size, "cpu"):  # the codes as rows
+        k_codes, v_codes = (quant.from_tiles(c[:, :full], keys) for c, keys in ((k_codes, True), (v_codes, False)))
     g = full // block_size
     k_back = codec.dequantize_keys(k_codes[:, :full].reshape(HKV, g, block_size, -1), k_params[:, :g], torch.float32)
     v_back = codec.dequantize_values(v_codes[:, :full], v_params[:, :full], torch.float32)
     rows = WINDOW_DTYPE[codec.name] or torch.float32  # what the window's rows are held in
-    seen_k = torch.cat([k_back, keys[:, full:].to(rows).float()], dim=1)
-    seen_v = torch.cat([v_back, values[:, full:].to(rows).float()], dim=1)
+    held = [x.to(rows).float() for x in (keys, values)]
+    seen_k = torch.cat([held[0][:, :sink], k_back[:, sink:], held[0][:, full:]], dim=1)
+    seen_v = torch.cat([held[1][:, :sink], v_back[:, sink:], held[1][:, full:]], dim=1)
     return stores, window, where, full, seen_k, seen_v
 
 
+@pytest.mark.parametrize("sink", (0, 5))
 @pytest.mark.parametrize("bits", (8, 4))
 @pytest.mark.parametrize("d", QUANT_HEAD_DIMS)
-def test_the_quantized_attention_is_softmax_attention_over_what_its_codes_hold(d, bits):
+def test_the_quantized_attention_is_softmax_attention_over_what_its_codes_hold(d, bits, sink):
     """The kernel rounds each block's query to integers (int8 keys: 15 bits, int4: 8) and each 32 tokens' softmax
     weights to 8 bits, so it is close to, not equal to, float64 attention over the dequantized codes (measured:
     int8 at most 0.11% of the output's largest value, int4 0.6%). A channel or token read from the wrong place
-    moves rows by far more."""
+    moves rows by far more. A sink of 5 rows starts the codes inside a block (and a tile, where codes are tiled)."""
     from engine.kv.quant import CODECS
 
     codec = CODECS[f"int{bits}"]
     q, keys, values = inputs(d, torch.float32, rows=4)
     keys = keys * torch.linspace(0.5, 3, d)  # channels of different ranges, as real keys have
-    stores, window, where, full, seen_k, seen_v = quantized(codec, keys, values)
+    stores, window, where, full, seen_k, seen_v = quantized(codec, keys, values, sink=sink)
     positions = [0, 100, 256, TOKENS - 1]  # one key, a part of a tile, a tile and one key, two tiles and the window
     q_pos = torch.tensor([positions], dtype=torch.int32)
     out = kernels.ops().attention_quant(q.contiguous(), *stores, [window[0]], [window[1]], *where, q_pos,
-                                        torch.tensor([full], dtype=torch.int32), 0, 0, bits)
+                                        torch.tensor([full], dtype=torch.int32), 0, sink, bits)
     expected = reference(q, seen_k, seen_v, positions)
     error = (out.double() - expected).abs().amax() / expected.abs().amax()
     assert error < {8: 0.003, 4: 0.012}[bits], f"largest error {error:.4f} of the largest output"

@@ -84,6 +84,23 @@ def test_int4_key_parameters_take_8_bits_a_channel_and_keep_every_value_within_h
     assert bytes_per_token_ratio("int4", 16) <= 0.3  # the issue's bound, scales included, at the default block
 
 
+def test_tiles_hold_a_blocks_rows_in_the_order_the_kernels_read_them():
+    """Keys: dword g of the 16 tokens of a tile side by side (one register of a token a lane); values: byte j of a
+    quad's four tokens side by side (four tokens a lane). Rows come back unchanged."""
+    rows = torch.randint(0, 256, (2, 32, 24), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    keys, values = quant.to_tiles(rows, keys=True), quant.to_tiles(rows, keys=False)
+    w = rows.shape[-1]
+    for t in (0, 5, 17, 31):
+        tile = keys[1, t // 16 * 16:t // 16 * 16 + 16].reshape(-1)
+        for g in range(w // 4):
+            at = (g * 16 + t % 16) * 4
+            assert torch.equal(tile[at:at + 4], rows[1, t, 4 * g:4 * g + 4])
+        quad = values[1, t // 4 * 4:t // 4 * 4 + 4].reshape(-1)
+        assert torch.equal(quad[t % 4::4], rows[1, t])
+    assert torch.equal(quant.from_tiles(keys, keys=True), rows)
+    assert torch.equal(quant.from_tiles(values, keys=False), rows)
+
+
 def bytes_per_token_ratio(kv: str, block: int) -> float:
     return bytes_per_element(kv, block, 64) / bytes_per_element("float16", block, 64)
 
@@ -100,7 +117,11 @@ def test_the_kernel_quantizes_int4_keys_to_the_bits_of_the_pure_pytorch_codec():
                                  keys.block_start, bs, keys.q_pos, torch.zeros(1, dtype=torch.int32), 0, 0, 4)
     held = k[0].half().float()  # a block is quantized from the window's float16 rows
     codes, params = quant.quantize_keys_int4(held.view(h, t // bs, bs, d))
-    assert torch.equal(stores[0][0], codes.reshape(h, t, d // 2)) and torch.equal(stores[2][0], params)
+    rows = codes.reshape(h, t, d // 2)
+    if kernels.kv_tiled(4, d, bs, "cpu"):  # stored as the AVX-512 path reads them
+        assert torch.equal(quant.from_tiles(stores[0][0], keys=True), rows)
+        rows = quant.to_tiles(rows, keys=True)
+    assert torch.equal(stores[0][0], rows) and torch.equal(stores[2][0], params)
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the compiled CPU kernels are not built here")

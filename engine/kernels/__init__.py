@@ -22,7 +22,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 NAME = "kvscope_cpu_kernels"
-TAG = "kvscope kernels 13"  # in the keys of measured choices (weights, KV precision): a new version measures again
+TAG = "kvscope kernels 14"  # in the keys of measured choices (weights, KV precision): a new version measures again
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]  # the host's instruction set
 
 
@@ -88,3 +88,12 @@ def for_activations(x: torch.Tensor) -> object | None:
 def available() -> bool:
     return ops() is not None
 
+
+def kv_tiled(bits: int, head_dim: int, block_size: int, device: torch.device | str) -> bool:
+    """Whether a quantized store of these codes keeps them in tiles of 16 tokens (cpu_kernels.cpp, TILE_TOKENS): the
+    kernels' choice for this machine, fixed for the process, so the pure PyTorch path writes and reads the codes in
+    the same layout (engine.kv.quant.to_tiles) even inside pure_pytorch()."""
+    if torch.device(device).type != "cpu" or os.environ.get("KVSCOPE_KERNELS", "auto") == "torch":
+        return False
+    loaded = _load()
+    return bool(loaded is not None and loaded.kv_tiled(bits, head_dim, block_size))

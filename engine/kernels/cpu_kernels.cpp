@@ -1965,6 +1965,29 @@ struct QuantScratch {
   }
 };
 
+// Where the AVX-512 path reads a quantized store (kv_tiled), a block of a multiple of 16 tokens keeps its codes in
+// tiles of 16 tokens laid out as that path reads them, so that no read transposes them: keys [W / 4][16][4] (dword
+// g of the 16 tokens: one register), values [4][W][4] (a quad's four tokens side by side per byte of a row). Rows
+// are W = D * bits / 8 bytes, and tiles take the rows' place: a tile starts where its first row would, and a quad
+// where its first row would. Byte j of row r, counted from a tile's start:
+constexpr int64_t TILE_TOKENS = 16;
+inline int64_t tiled_key_at(int64_t r, int64_t j, int64_t w) { return r / 16 * 16 * w + r % 16 * 4 + j / 4 * 64 + j % 4; }
+inline int64_t tiled_value_at(int64_t r, int64_t j, int64_t w) { return r / 4 * 4 * w + r % 4 + 4 * j; }
+
+// a block's bs rows of w bytes -> its tiles (keys' or values')
+inline void to_tiles(const uint8_t* rows, int64_t bs, int64_t w, bool keys, uint8_t* tiles) {
+  for (int64_t r = 0; r < bs; ++r)
+    for (int64_t j = 0; j < w; ++j) tiles[keys ? tiled_key_at(r, j, w) : tiled_value_at(r, j, w)] = rows[r * w + j];
+}
+
+// the w bytes of the tiled row of position p that would start at `row` (keys' or values') -> out, as a row
+template <bool KEYS>
+inline void untile_row(const uint8_t* row, int64_t p, int64_t w, uint8_t* out) {
+  int64_t r = p % TILE_TOKENS;
+  const uint8_t* tile = row - r * w;
+  for (int64_t j = 0; j < w; ++j) out[j] = tile[KEYS ? tiled_key_at(r, j, w) : tiled_value_at(r, j, w)];
+}
+
 template <int BITS>
 struct QuantRows {
   int64_t first = 0, full = 0, ring = 1;  // ring: the window's rows (position p in row p % ring)
@@ -1976,6 +1999,7 @@ struct QuantRows {
   int64_t known = 0;  // code and param cover [first, known): the tile's codes and the next ones, to prefetch
   int64_t end = 0;    // the sequence's length: the window holds [full, end)
   int64_t block_size = 1;  // positions [k bs, (k + 1) bs) share a block's key scales and adjacent rows
+  bool tiled = false;      // codes in tiles (kv_tiled); code[p] is where row p would start all the same
   int64_t block_end(int64_t p, int64_t limit) const { return std::min(limit, (p / block_size + 1) * block_size); }
   const WindowRow<BITS>* window = nullptr;     // [ring, D] rows
   QuantScratch<BITS>* scratch = nullptr;  // the task's thread's buffers
@@ -2278,6 +2302,23 @@ constexpr int64_t TOKENS_512 = 16;  // tokens a register of scores holds
 inline bool kv512_keys(int bits, int64_t d) { return d <= 256 && d % (bits == 4 ? 32 : 16) == 0; }
 inline bool kv512_values(int bits, int64_t d) { return d <= 256 && d % (bits == 4 ? 64 : 32) == 0; }
 
+
+// the 16 tokens of a tile at `tile` (W = d * BITS / 8 bytes each) -> transpose_codes' quads, as loaded
+template <int BITS, int D16>
+inline void tile_quads(const uint8_t* tile, int64_t d_, __m512i* quads) {
+  const int64_t dwords = (D16 ? D16 * 16 : d_) * BITS / 32;
+  const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t g = 0; g < dwords; ++g) {
+    __m512i x = _mm512_loadu_si512(tile + 64 * g);
+    if constexpr (BITS == 4) {
+      quads[g] = _mm512_and_si512(x, low);
+      quads[dwords + g] = _mm512_and_si512(_mm512_srli_epi16(x, 4), low);
+    } else {
+      quads[g] = _mm512_xor_si512(x, flip);
+    }
+  }
+}
+
 struct QueryParts {  // a vector against one block: x = q * scale ~ dq * (256 hi + lo) (int8 keys) or dq * hi (int4)
   alignas(64) int8_t hi[256], lo[256];
   float dq, bias;  // bias: q . min (int4), 0 (int8)
@@ -2388,6 +2429,19 @@ inline void transpose_codes(const uint8_t* const* rows, int64_t bytes_, __m512i*
   }
 }
 
+// transpose_codes of the n (<= 16) tiled rows at code[0..n) from position p, which do not start a tile, read as rows
+// (a last chunk of fewer reads its last row again; those scores are dropped)
+template <int BITS, int D16>
+__attribute__((noinline)) void untiled_quads(const uint8_t* const* code, int64_t n, int64_t p, int64_t d,
+                                             __m512i* quads) {
+  const uint8_t* rows[TOKENS_512];
+  alignas(64) uint8_t plain[TOKENS_512 * 256];  // (W <= 256 where tiles are kept)
+  const int64_t w = d * BITS / 8;
+  for (int64_t r = 0; r < TOKENS_512; ++r)
+    untile_row<true>(code[std::min(r, n - 1)], p + std::min(r, n - 1), w, plain + r * w), rows[r] = plain + r * w;
+  transpose_codes<BITS, D16>(rows, w, quads);
+}
+
 // 16 tokens' scores for one vector: dq * (codes . (256 hi + lo) - offset) + bias (int4: codes . hi), from
 // transpose_codes' quads
 template <int BITS, int D16>
@@ -2427,7 +2481,7 @@ __attribute__((noinline)) QueryParts* many_query_parts(int64_t n) {
 template <int BITS, int D16>
 void score_block_512(const float* q, const uint8_t* const* code, const uint16_t* prm, const int64_t* last,
                      int64_t nq, int64_t d, int64_t s, int64_t e, int64_t k0, float* scores, int64_t padded,
-                     Prefetches* ahead) {
+                     Prefetches* ahead, bool tiled) {
   int64_t chunks = (e - s + TOKENS_512 - 1) / TOKENS_512;
   int each = static_cast<int>((ahead->left() + chunks * (nq + 1)) / (chunks * (nq + 1) + 1));  // a share a step
   __m512i quads[64];
@@ -2443,9 +2497,15 @@ void score_block_512(const float* q, const uint8_t* const* code, const uint16_t*
   ahead->issue(each);
   for (int64_t c = s; c < e; c += TOKENS_512) {
     int64_t n = std::min(TOKENS_512, e - c);
-    const uint8_t* rows[TOKENS_512];  // a last chunk of fewer reads its last row again; those scores are dropped
-    for (int64_t r = 0; r < TOKENS_512; ++r) rows[r] = code[std::min(c + r, e - 1) - s];
-    transpose_codes<BITS, D16>(rows, d * BITS / 8, quads);
+    if (!tiled) {
+      const uint8_t* rows[TOKENS_512];  // a last chunk of fewer reads its last row again; those scores are dropped
+      for (int64_t r = 0; r < TOKENS_512; ++r) rows[r] = code[std::min(c + r, e - 1) - s];
+      transpose_codes<BITS, D16>(rows, d * BITS / 8, quads);
+    } else if (c % TILE_TOKENS == 0) {  // a tile (a last chunk of fewer: the other lanes' scores are dropped)
+      tile_quads<BITS, D16>(code[c - s], d, quads);
+    } else {
+      untiled_quads<BITS, D16>(code + (c - s), n, c, d, quads);
+    }
     ahead->issue(each);
     for (int64_t i = 0; i < nq; ++i) {
       if (c - k0 <= last[i])
@@ -2459,10 +2519,10 @@ void score_block_512(const float* q, const uint8_t* const* code, const uint16_t*
 template <int BITS>
 void score_block_512_any(const float* q, const uint8_t* const* code, const uint16_t* prm, const int64_t* last,
                          int64_t nq, int64_t d, int64_t s, int64_t e, int64_t k0, float* scores, int64_t padded,
-                         Prefetches* ahead) {
-  if (d == 64) return score_block_512<BITS, 4>(q, code, prm, last, nq, d, s, e, k0, scores, padded, ahead);
-  if (d == 128) return score_block_512<BITS, 8>(q, code, prm, last, nq, d, s, e, k0, scores, padded, ahead);
-  score_block_512<BITS, 0>(q, code, prm, last, nq, d, s, e, k0, scores, padded, ahead);
+                         Prefetches* ahead, bool tiled) {
+  if (d == 64) return score_block_512<BITS, 4>(q, code, prm, last, nq, d, s, e, k0, scores, padded, ahead, tiled);
+  if (d == 128) return score_block_512<BITS, 8>(q, code, prm, last, nq, d, s, e, k0, scores, padded, ahead, tiled);
+  score_block_512<BITS, 0>(q, code, prm, last, nq, d, s, e, k0, scores, padded, ahead, tiled);
 }
 
 #endif
@@ -2674,12 +2734,43 @@ inline void dpbusd_quads_any(const __m512i* quads, const uint8_t* w8, int64_t n,
 
 constexpr int64_t VALUES_AHEAD = 64;  // the value phase prefetches the codes of the positions this far on
 
-// weigh_int_values' sums by vpdpbusd, four tokens a lane: part_i[2..] = chunk by chunk fma(sums, dw, part_i) + bias_i
+// a tiled quad of four tokens -> quad_codes' registers, as loaded
+template <int BITS>
+inline void quad_of_tile(const uint8_t* quad, int64_t d, __m512i* out) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t k = 0; k < d * BITS / 128; ++k) {
+    __m512i x = _mm512_loadu_si512(quad + 64 * k);
+    if constexpr (BITS == 4) {
+      *out++ = _mm512_and_si512(x, low);
+      *out++ = _mm512_and_si512(_mm512_srli_epi16(x, 4), low);
+    } else {
+      *out++ = x;
+    }
+  }
+}
+
+alignas(64) constexpr uint8_t ZERO_CODES[256] = {};  // the partners of a last chunk's last tokens (weight 0)
+
+// quad_codes of the n (<= 4) tiled rows at rows[0..n) from position p, which do not start a quad, read as rows
+// (zeros after them)
+template <int BITS>
+__attribute__((noinline)) void untiled_quad(const uint8_t* const* rows, int64_t n, int64_t p, int64_t d, __m512i* out) {
+  alignas(64) uint8_t plain[4 * 256];  // (W <= 256 where tiles are kept)
+  const uint8_t* four[4];
+  const int64_t w = d * BITS / 8;
+  for (int k = 0; k < 4; ++k) {
+    four[k] = ZERO_CODES;
+    if (k < n) untile_row<false>(rows[k], p + k, w, plain + k * w), four[k] = plain + k * w;
+  }
+  quad_codes<BITS>(four, d, out);
+}
+
+// weigh_int_values' sums by vpdpbusd, four tokens a lane: part_i[2..] = chunk by chunk fma(sums, dw, part_i) + bias_i.
+// tiled: rows in tiles (kv_tiled), the first at position `first`
 template <int BITS>
 void weigh_values_512(const uint8_t* const* rows, int64_t n, int64_t ahead, int64_t d,
                       const std::vector<int64_t>& active, const float* weights, int64_t stride_w, const float* bias,
-                      float* part, int64_t stride, QuantScratch<BITS>& scratch) {
-  alignas(64) static const uint8_t zeros[256] = {};  // the partners of a last chunk's last tokens (weight 0)
+                      float* part, int64_t stride, QuantScratch<BITS>& scratch, bool tiled, int64_t first) {
   int64_t regs = d / 16, chunks = (n + WEIGHT_CHUNK - 1) / WEIGHT_CHUNK, nv = active.size();
   auto &w8 = scratch.w8, &quads = scratch.quads;
   auto& dw = scratch.dw;
@@ -2696,12 +2787,19 @@ void weigh_values_512(const uint8_t* const* rows, int64_t n, int64_t ahead, int6
   for (int64_t p0 = 0, c = 0; p0 < n; p0 += WEIGHT_CHUNK, ++c) {
     int64_t m = std::min(WEIGHT_CHUNK, n - p0), nq = (m + 3) / 4;
     int64_t fetch_to = values_fetch_own(BITS, d) ? std::min(n + ahead, p0 + VALUES_AHEAD + m) : 0;
-    for (int64_t r = p0 + VALUES_AHEAD; r < fetch_to; ++r)  // (the next tile's first rows too)
+    for (int64_t r = p0 + VALUES_AHEAD; r < fetch_to; ++r)  // (the next tile's first rows too; tiles fill the rows')
       prefetch_span(rows[r], rows[r] + d * BITS / 8, _MM_HINT_T0);
     for (int64_t r = 0; r < nq; ++r) {
-      const uint8_t* four[4];
-      for (int k = 0; k < 4; ++k) four[k] = 4 * r + k < m ? rows[p0 + 4 * r + k] : zeros;
-      quad_codes<BITS>(four, d, quads.data() + r * regs);
+      const uint8_t* const* at = rows + p0 + 4 * r;
+      if (!tiled) {
+        const uint8_t* four[4];
+        for (int k = 0; k < 4; ++k) four[k] = 4 * r + k < m ? at[k] : ZERO_CODES;
+        quad_codes<BITS>(four, d, quads.data() + r * regs);
+      } else if (first % 4 == 0) {  // a quad (a last one's tokens past m: their weights are 0)
+        quad_of_tile<BITS>(at[0], d, quads.data() + r * regs);
+      } else {
+        untiled_quad<BITS>(at, std::min<int64_t>(4, m - 4 * r), first + p0 + 4 * r, d, quads.data() + r * regs);
+      }
     }
     for (int64_t v = 0; v < nv; ++v)
       if (dw[v * chunks + c] > 0.f)
@@ -2719,14 +2817,17 @@ void weigh_values_512(const uint8_t* const* rows, int64_t n, int64_t ahead, int6
 
 #ifdef KVSCOPE_AVX2
 // every active vector's values over the codes of [qstart, qstart + n): weights (float, `stride_w` apart, zeros past
-// a vector's last key) -> part_i[2..] = chunk by chunk fma(integer sums, dw, part_i), then + bias_i
+// a vector's last key) -> part_i[2..] = chunk by chunk fma(integer sums, dw, part_i), then + bias_i. tiled (only
+// where the AVX-512 path reads them, kv_tiled): rows in tiles, the first at position `first`
 template <int BITS>
 inline void weigh_int_values(const uint8_t* const* rows, int64_t n, int64_t ahead, int64_t d,
                              const std::vector<int64_t>& active, const float* weights, int64_t stride_w,
-                             const float* bias, float* part, int64_t stride, QuantScratch<BITS>& scratch) {
+                             const float* bias, float* part, int64_t stride, QuantScratch<BITS>& scratch, bool tiled,
+                             int64_t first) {
 #ifdef KVSCOPE_KV512
   if (kv512_values(BITS, d))
-    return weigh_values_512<BITS>(rows, n, ahead, d, active, weights, stride_w, bias, part, stride, scratch);
+    return weigh_values_512<BITS>(rows, n, ahead, d, active, weights, stride_w, bias, part, stride, scratch, tiled,
+                                  first);
 #endif
   int64_t dp = padded_channels(d), regs = dp / 8, chunks = (n + WEIGHT_CHUNK - 1) / WEIGHT_CHUNK, nv = active.size();
   auto& w16 = scratch.w16;
@@ -2847,9 +2948,10 @@ inline void prefetch_codes(const QuantRows<BITS>& keys, const QuantRows<BITS>& v
 template <int BITS>
 inline void score_int_block(const float* q, const uint8_t* const* code, const uint16_t* prm, const int64_t* last,
                              int64_t nq, int64_t d, int64_t s, int64_t e, int64_t k0, float* scores, int64_t padded,
-                            Prefetches* ahead, QuantScratch<BITS>& scratch) {
+                            Prefetches* ahead, QuantScratch<BITS>& scratch, bool tiled) {
 #ifdef KVSCOPE_KV512
-  if (kv512_keys(BITS, d)) return score_block_512_any<BITS>(q, code, prm, last, nq, d, s, e, k0, scores, padded, ahead);
+  if (kv512_keys(BITS, d))
+    return score_block_512_any<BITS>(q, code, prm, last, nq, d, s, e, k0, scores, padded, ahead, tiled);
 #endif
   ahead->issue(ahead->left());
 #ifdef KVSCOPE_AVX2
@@ -2965,7 +3067,8 @@ void score_quantized(const float* q, const QuantRows<BITS>& keys, const QuantRow
     else
       prefetch_codes(keys, values, s + PREFETCH_AHEAD, e + PREFETCH_AHEAD, d * BITS / 8, d);
     const uint8_t* const* code = keys.code + (s - keys.first);
-    if constexpr (INTEGER) score_int_block<BITS>(q, code, prm, last, nq, d, s, e, k0, scores, padded, &ahead, scratch);
+    if constexpr (INTEGER)
+      score_int_block<BITS>(q, code, prm, last, nq, d, s, e, k0, scores, padded, &ahead, scratch, keys.tiled);
     else ahead.issue(ahead.left()), score_block_floats<BITS>(q, code, prm, last, nq, d, s, e, k0, scores, padded, scratch);
     ahead.issue(ahead.left());
   }
@@ -3068,7 +3171,7 @@ void weigh_quantized(const float* scores, int64_t padded, const QuantRows<BITS>&
 #ifdef KVSCOPE_AVX2
   if constexpr (KVSCOPE_INT_DOTS)
     return weigh_int_values<BITS>(rows, upto, values.known - qstart - upto, d, active, weights.data(), even,
-                                  bias.data(), part, stride, scratch);
+                                  bias.data(), part, stride, scratch, values.tiled, qstart);
   for (size_t a = 0; a < active.size(); a += 3) {  // three vectors at a time: 12 accumulators of 8 lanes
     const float* w[3];
     float* out[3];
@@ -3379,6 +3482,25 @@ inline int64_t quantized_end(int64_t upto, int64_t kv_len, int64_t residual, int
 template <int BITS>
 using KeyParam = std::conditional_t<BITS == 8, at::Half, uint8_t>;  // the element of a key parameter store
 
+// whether this build keeps a quantized store's codes in tiles (see TILE_TOKENS): where the AVX-512 path reads both
+// its keys and values, in blocks of a multiple of 16 tokens
+bool kv_tiled(int64_t bits, int64_t d, int64_t bs) {
+#ifdef KVSCOPE_KV512
+  return bs % TILE_TOKENS == 0 && kv512_keys(static_cast<int>(bits), d) && kv512_values(static_cast<int>(bits), d);
+#else
+  return bits < 0 && d < 0 && bs < 0;  // never
+#endif
+}
+
+// a tiled store's rows must be adjacent: a tile spans 16 of them
+void check_tiles(int64_t bits, int64_t d, int64_t bs, const std::vector<at::Tensor>& k_stores,
+                 const std::vector<at::Tensor>& v_stores) {
+  if (!kv_tiled(bits, d, bs)) return;
+  for (const auto* stores : {&k_stores, &v_stores})
+    for (const auto& s : *stores)
+      TORCH_CHECK(s.size(2) == d * bits / 8 && s.stride(1) == s.size(2), "tiled codes: adjacent rows of D * bits / 8");
+}
+
 template <int BITS>
 struct QuantStores {
   StoreAddresses<uint8_t> k, v;  // codes [Hkv, slots, D] int8 or [Hkv, slots, D/2] two int4 a byte
@@ -3389,6 +3511,7 @@ struct QuantStores {
   int64_t hkv;
   const int32_t* upto;
   int64_t residual, ring, sink;
+  bool tiled;  // kv_tiled: codes in tiles
   int64_t num_kv_heads() const { return hkv; }
   // the rows of tile [k0, k1) of sequence b, head h; their address tables live in the thread's scratch until
   // its next call, which the rows carry to the tile's other buffers
@@ -3402,6 +3525,7 @@ struct QuantStores {
     keys.full = values.full = full;
     keys.end = values.end = end;
     keys.block_size = values.block_size = bs;
+    keys.tiled = values.tiled = tiled;
     keys.ring = values.ring = ring;
     keys.sink = values.sink = sink;
     keys.sink_rows = k_window.at(b, h, 0);
@@ -3560,7 +3684,11 @@ void write_quant(const std::vector<at::Tensor>& k_stores, const std::vector<at::
   thread_local std::vector<uint8_t*> k_rows, v_rows;  // (kept between calls: a layer's write is a call a step)
   thread_local std::vector<uint16_t*> v_prm;
   thread_local std::vector<float> k_block, v_block;
+  thread_local std::vector<uint8_t> k_plain, v_plain;  // a tiled block's rows before they go to its tiles
+  const int64_t w = d * BITS / 8;
+  const bool tiled = kv_tiled(BITS, d, bs);
   k_rows.resize(bs), v_rows.resize(bs), v_prm.resize(bs), k_block.resize(bs * d), v_block.resize(bs * d);
+  k_plain.resize(tiled ? bs * w : 0), v_plain.resize(tiled ? bs * w : 0);
   uint8_t **kr = k_rows.data(), **vr = v_rows.data();  // (a thread_local's address is a call in a loop)
   uint16_t** vprm = v_prm.data();
   float *kb = k_block.data(), *vb = v_block.data();
@@ -3584,15 +3712,17 @@ void write_quant(const std::vector<at::Tensor>& k_stores, const std::vector<at::
           put_row(vrow, d, const_cast<WindowRow<BITS>*>(vw.at(bi, hi, p)));
         }
         if (!quantize) continue;
+        auto *k_dst = const_cast<uint8_t*>(kq.at(store, hi, start)), *v_dst = const_cast<uint8_t*>(vq.at(store, hi, start));
         for (int64_t r = 0; r < bs; ++r) {
           row_to_floats(kwin + ((first + r) % ring) * d, d, kb + r * d);
           row_to_floats(vwin + ((first + r) % ring) * d, d, vb + r * d);
-          kr[r] = const_cast<uint8_t*>(kq.at(store, hi, start + r));
-          vr[r] = const_cast<uint8_t*>(vq.at(store, hi, start + r));
+          kr[r] = tiled ? k_plain.data() + r * w : const_cast<uint8_t*>(kq.at(store, hi, start + r));
+          vr[r] = tiled ? v_plain.data() + r * w : const_cast<uint8_t*>(vq.at(store, hi, start + r));
           vprm[r] = reinterpret_cast<uint16_t*>(const_cast<at::Half*>(vp.at(store, hi, start + r)));
         }
         auto* k_prm = const_cast<KeyParam<BITS>*>(kp.at(store, hi, start / bs));
         quantize_block<BITS>(kb, vb, bs, d, kr, vr, k_prm, vprm);
+        if (tiled) to_tiles(k_plain.data(), bs, w, true, k_dst), to_tiles(v_plain.data(), bs, w, false, v_dst);
       }
     }
 }
@@ -3613,6 +3743,7 @@ void write_kv_quant(std::vector<at::Tensor> k_stores, std::vector<at::Tensor> v_
   StepMap map = step_map(table, block_store, block_start, block_size, q_pos);
   TORCH_CHECK(map.t == k.size(2) && q_pos.size(0) == k.size(0), "q_pos: [B, T] for the new tokens");
   check_ring(k_windows, upto, residual, sink, block_size, k.size(0));
+  check_tiles(bits, k.size(3), block_size, k_stores, v_stores);
   const int32_t* up = upto.data_ptr<int32_t>();
   if (bits == 8)
     write_quant<8>(k_stores, v_stores, k_params, v_params, k_windows, v_windows, k, v, map, up, residual, sink);
@@ -3633,14 +3764,16 @@ at::Tensor attention_quant(const at::Tensor& q, std::vector<at::Tensor> k_stores
               "head_dim must be a multiple of 16 (int4: up to 256)");
   check_quant_stores(bits, k_stores, v_stores, k_params, v_params, k_windows, v_windows);
   check_ring(k_windows, upto, residual, sink, block_size, q.size(0));
+  check_tiles(bits, q.size(3), block_size, k_stores, v_stores);
   StepMap map = step_map(table, block_store, block_start, block_size, q_pos);
   int64_t hkv = k_stores[0].size(0), ring = k_windows[0].size(1) - sink;
   const int32_t* up = upto.data_ptr<int32_t>();
+  bool tiled = kv_tiled(bits, q.size(3), block_size);
   if (bits == 8)
     return run_attention(q, map, QuantStores<8>{{k_stores}, {v_stores}, {k_params}, {v_params}, {k_windows},
-                                                {v_windows}, map, hkv, up, residual, ring, sink});
+                                                {v_windows}, map, hkv, up, residual, ring, sink, tiled});
   return run_attention(q, map, QuantStores<4>{{k_stores}, {v_stores}, {k_params}, {v_params}, {k_windows},
-                                              {v_windows}, map, hkv, up, residual, ring, sink});
+                                              {v_windows}, map, hkv, up, residual, ring, sink, tiled});
 }
 
 // ---------------------------------------------------------------- one decoder layer of a decode step, in one call
@@ -3759,6 +3892,7 @@ int64_t int4_row_block() {
 
 TORCH_LIBRARY(kvscope, m) {
   m.def("int4_row_block() -> int", &int4_row_block);
+  m.def("kv_tiled(int bits, int head_dim, int block_size) -> bool", &kv_tiled);
   m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor minimums) -> Tensor", &int4_linear);
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor", &int8_linear);
   m.def("int8_embed(Tensor codes, Tensor scales, Tensor ids) -> Tensor", &int8_embed);

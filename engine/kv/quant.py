@@ -158,6 +158,32 @@ def dequantize_values_int4(q: torch.Tensor, params: torch.Tensor, dtype: torch.d
     return out
 
 
+# ---- tiles: where the compiled kernels read codes in tiles of 16 tokens (engine.kernels.kv_tiled), a block's
+# rows [..., T, W] (T a multiple of 16) are stored so: keys [T / 16, W / 4, 16, 4] (a dword of 16 tokens together),
+# values [T / 4, W, 4] (a byte of four tokens together)
+TILE = 16
+
+
+def to_tiles(codes: torch.Tensor, keys: bool) -> torch.Tensor:
+    """Rows of codes [..., T, W] -> the same bytes in the tiled layout, shaped [..., T, W]."""
+    *lead, t, w = codes.shape
+    if keys:
+        tiled = codes.reshape(*lead, t // TILE, TILE, w // 4, 4).transpose(-3, -2)
+    else:
+        tiled = codes.reshape(*lead, t // 4, 4, w).transpose(-2, -1)
+    return tiled.reshape(*lead, t, w)
+
+
+def from_tiles(tiled: torch.Tensor, keys: bool) -> torch.Tensor:
+    """to_tiles' inverse: tiled codes [..., T, W] -> rows [..., T, W]."""
+    *lead, t, w = tiled.shape
+    if keys:
+        rows = tiled.reshape(*lead, t // TILE, w // 4, TILE, 4).transpose(-3, -2)
+    else:
+        rows = tiled.reshape(*lead, t // 4, w, 4).transpose(-2, -1)
+    return rows.reshape(*lead, t, w)
+
+
 @dataclass(frozen=True)
 class KVCodec:
     """A quantized KV precision: its codes, scales and the functions between them and floats."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine import kernels
 from engine.config import ConfigError
 from engine.kv import quant
 from engine.kv.attention import KeyMap
@@ -54,6 +55,7 @@ class QuantState:
         self.shape = (2, config.num_layers, config.num_kv_heads, sink + self.rows, config.head_dim)
         self.dtype, self.device = dtype, device
         self.window_dtype = WINDOW_DTYPE[codec.name] or dtype
+        self.tiled = kernels.kv_tiled(codec.bits, config.head_dim, block_size, device)  # the codes' layout
         self.seqs: dict[int, Held] = {}
 
     # ---- per sequence
@@ -159,9 +161,9 @@ class QuantState:
         k_q, k_s = self.codec.quantize_keys(keys[:, None])  # [Hkv, 1, bs, W], [Hkv, 1, ...]
         v_q, v_s = self.codec.quantize_values(values)
         k_codes, v_codes, k_params, v_params = (s[store] for s in stores)
-        k_codes[:, slot:slot + bs] = k_q[:, 0]
+        k_codes[:, slot:slot + bs] = quant.to_tiles(k_q[:, 0], keys=True) if self.tiled else k_q[:, 0]
         k_params[:, slot // bs] = k_s[:, 0]
-        v_codes[:, slot:slot + bs] = v_q
+        v_codes[:, slot:slot + bs] = quant.to_tiles(v_q, keys=False) if self.tiled else v_q
         v_params[:, slot:slot + bs] = v_s
 
     def read(self, layer: int, stores: list[list[torch.Tensor]], seq_id: int, locate,
@@ -187,9 +189,11 @@ class QuantState:
         """One block's codes in full precision: keys, values [Hkv, block_size, D]."""
         bs = self.block_size
         k_codes, v_codes, k_params, v_params = (s[store] for s in stores)
-        codes = k_codes[:, slot:slot + bs]
+        codes, v_rows = k_codes[:, slot:slot + bs], v_codes[:, slot:slot + bs]
+        if self.tiled:
+            codes, v_rows = quant.from_tiles(codes, keys=True), quant.from_tiles(v_rows, keys=False)
         keys = self.codec.dequantize_keys(codes[:, None], k_params[:, slot // bs:slot // bs + 1], self.dtype)
-        return keys, self.codec.dequantize_values(v_codes[:, slot:slot + bs], v_params[:, slot:slot + bs], self.dtype)
+        return keys, self.codec.dequantize_values(v_rows, v_params[:, slot:slot + bs], self.dtype)
 
 
 def locator(keys: KeyMap, b: int):
