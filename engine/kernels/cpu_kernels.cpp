@@ -1971,7 +1971,9 @@ struct QuantScratch {
 // are W = D * bits / 8 bytes, and tiles take the rows' place: a tile starts where its first row would, and a quad
 // where its first row would. Byte j of row r, counted from a tile's start:
 constexpr int64_t TILE_TOKENS = 16;
-inline int64_t tiled_key_at(int64_t r, int64_t j, int64_t w) { return r / 16 * 16 * w + r % 16 * 4 + j / 4 * 64 + j % 4; }
+inline int64_t tiled_key_at(int64_t r, int64_t j, int64_t w) {
+  return r / TILE_TOKENS * TILE_TOKENS * w + r % TILE_TOKENS * 4 + j / 4 * 64 + j % 4;
+}
 inline int64_t tiled_value_at(int64_t r, int64_t j, int64_t w) { return r / 4 * 4 * w + r % 4 + 4 * j; }
 
 // a block's bs rows of w bytes -> its tiles (keys' or values')
@@ -2301,7 +2303,6 @@ constexpr int64_t TOKENS_512 = 16;  // tokens a register of scores holds
 
 inline bool kv512_keys(int bits, int64_t d) { return d <= 256 && d % (bits == 4 ? 32 : 16) == 0; }
 inline bool kv512_values(int bits, int64_t d) { return d <= 256 && d % (bits == 4 ? 64 : 32) == 0; }
-
 
 // the 16 tokens of a tile at `tile` (W = d * BITS / 8 bytes each) -> transpose_codes' quads, as loaded
 template <int BITS, int D16>
@@ -2754,7 +2755,8 @@ alignas(64) constexpr uint8_t ZERO_CODES[256] = {};  // the partners of a last c
 // quad_codes of the n (<= 4) tiled rows at rows[0..n) from position p, which do not start a quad, read as rows
 // (zeros after them)
 template <int BITS>
-__attribute__((noinline)) void untiled_quad(const uint8_t* const* rows, int64_t n, int64_t p, int64_t d, __m512i* out) {
+__attribute__((noinline)) void untiled_quad(const uint8_t* const* rows, int64_t n, int64_t p, int64_t d,
+                                            __m512i* out) {
   alignas(64) uint8_t plain[4 * 256];  // (W <= 256 where tiles are kept)
   const uint8_t* four[4];
   const int64_t w = d * BITS / 8;
@@ -3484,11 +3486,11 @@ using KeyParam = std::conditional_t<BITS == 8, at::Half, uint8_t>;  // the eleme
 
 // whether this build keeps a quantized store's codes in tiles (see TILE_TOKENS): where the AVX-512 path reads both
 // its keys and values, in blocks of a multiple of 16 tokens
-bool kv_tiled(int64_t bits, int64_t d, int64_t bs) {
+bool kv_tiled([[maybe_unused]] int64_t bits, [[maybe_unused]] int64_t d, [[maybe_unused]] int64_t bs) {
 #ifdef KVSCOPE_KV512
   return bs % TILE_TOKENS == 0 && kv512_keys(static_cast<int>(bits), d) && kv512_values(static_cast<int>(bits), d);
 #else
-  return bits < 0 && d < 0 && bs < 0;  // never
+  return false;
 #endif
 }
 
@@ -3712,7 +3714,8 @@ void write_quant(const std::vector<at::Tensor>& k_stores, const std::vector<at::
           put_row(vrow, d, const_cast<WindowRow<BITS>*>(vw.at(bi, hi, p)));
         }
         if (!quantize) continue;
-        auto *k_dst = const_cast<uint8_t*>(kq.at(store, hi, start)), *v_dst = const_cast<uint8_t*>(vq.at(store, hi, start));
+        auto* k_dst = const_cast<uint8_t*>(kq.at(store, hi, start));
+        auto* v_dst = const_cast<uint8_t*>(vq.at(store, hi, start));
         for (int64_t r = 0; r < bs; ++r) {
           row_to_floats(kwin + ((first + r) % ring) * d, d, kb + r * d);
           row_to_floats(vwin + ((first + r) % ring) * d, d, vb + r * d);
