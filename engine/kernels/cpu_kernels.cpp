@@ -3494,13 +3494,14 @@ bool kv_tiled([[maybe_unused]] int64_t bits, [[maybe_unused]] int64_t d, [[maybe
 #endif
 }
 
-// a tiled store's rows must be adjacent: a tile spans 16 of them
-void check_tiles(int64_t bits, int64_t d, int64_t bs, const std::vector<at::Tensor>& k_stores,
-                 const std::vector<at::Tensor>& v_stores) {
-  if (!kv_tiled(bits, d, bs)) return;
+// kv_tiled for these codes, checking that a tiled store's rows are adjacent (a tile spans 16 of them)
+bool tiled_stores(int64_t bits, int64_t d, int64_t bs, const std::vector<at::Tensor>& k_stores,
+                  const std::vector<at::Tensor>& v_stores) {
+  if (!kv_tiled(bits, d, bs)) return false;
   for (const auto* stores : {&k_stores, &v_stores})
     for (const auto& s : *stores)
       TORCH_CHECK(s.size(2) == d * bits / 8 && s.stride(1) == s.size(2), "tiled codes: adjacent rows of D * bits / 8");
+  return true;
 }
 
 template <int BITS>
@@ -3675,7 +3676,7 @@ void write_quant(const std::vector<at::Tensor>& k_stores, const std::vector<at::
                  const std::vector<at::Tensor>& k_params, const std::vector<at::Tensor>& v_params,
                  const std::vector<at::Tensor>& k_windows, const std::vector<at::Tensor>& v_windows,
                  const at::Tensor& k, const at::Tensor& v, const StepMap& map, const int32_t* upto,
-                 int64_t residual, int64_t sink) {
+                 int64_t residual, int64_t sink, bool tiled) {
   int64_t b = k.size(0), h = k.size(1), t = k.size(2), d = k.size(3), bs = map.block_size;
   int64_t ring = k_windows[0].size(1) - sink;
   StoreAddresses<uint8_t> kq(k_stores), vq(v_stores);
@@ -3688,7 +3689,6 @@ void write_quant(const std::vector<at::Tensor>& k_stores, const std::vector<at::
   thread_local std::vector<float> k_block, v_block;
   thread_local std::vector<uint8_t> k_plain, v_plain;  // a tiled block's rows before they go to its tiles
   const int64_t w = d * BITS / 8;
-  const bool tiled = kv_tiled(BITS, d, bs);
   k_rows.resize(bs), v_rows.resize(bs), v_prm.resize(bs), k_block.resize(bs * d), v_block.resize(bs * d);
   k_plain.resize(tiled ? bs * w : 0), v_plain.resize(tiled ? bs * w : 0);
   uint8_t **kr = k_rows.data(), **vr = v_rows.data();  // (a thread_local's address is a call in a loop)
@@ -3746,12 +3746,12 @@ void write_kv_quant(std::vector<at::Tensor> k_stores, std::vector<at::Tensor> v_
   StepMap map = step_map(table, block_store, block_start, block_size, q_pos);
   TORCH_CHECK(map.t == k.size(2) && q_pos.size(0) == k.size(0), "q_pos: [B, T] for the new tokens");
   check_ring(k_windows, upto, residual, sink, block_size, k.size(0));
-  check_tiles(bits, k.size(3), block_size, k_stores, v_stores);
+  bool tiled = tiled_stores(bits, k.size(3), block_size, k_stores, v_stores);
   const int32_t* up = upto.data_ptr<int32_t>();
   if (bits == 8)
-    write_quant<8>(k_stores, v_stores, k_params, v_params, k_windows, v_windows, k, v, map, up, residual, sink);
+    write_quant<8>(k_stores, v_stores, k_params, v_params, k_windows, v_windows, k, v, map, up, residual, sink, tiled);
   else
-    write_quant<4>(k_stores, v_stores, k_params, v_params, k_windows, v_windows, k, v, map, up, residual, sink);
+    write_quant<4>(k_stores, v_stores, k_params, v_params, k_windows, v_windows, k, v, map, up, residual, sink, tiled);
 }
 
 // a quantized cache: as `attention`, over codes and their scales, and per sequence a window holding its
@@ -3767,11 +3767,10 @@ at::Tensor attention_quant(const at::Tensor& q, std::vector<at::Tensor> k_stores
               "head_dim must be a multiple of 16 (int4: up to 256)");
   check_quant_stores(bits, k_stores, v_stores, k_params, v_params, k_windows, v_windows);
   check_ring(k_windows, upto, residual, sink, block_size, q.size(0));
-  check_tiles(bits, q.size(3), block_size, k_stores, v_stores);
+  bool tiled = tiled_stores(bits, q.size(3), block_size, k_stores, v_stores);
   StepMap map = step_map(table, block_store, block_start, block_size, q_pos);
   int64_t hkv = k_stores[0].size(0), ring = k_windows[0].size(1) - sink;
   const int32_t* up = upto.data_ptr<int32_t>();
-  bool tiled = kv_tiled(bits, q.size(3), block_size);
   if (bits == 8)
     return run_attention(q, map, QuantStores<8>{{k_stores}, {v_stores}, {k_params}, {v_params}, {k_windows},
                                                 {v_windows}, map, hkv, up, residual, ring, sink, tiled});
