@@ -158,6 +158,7 @@ class EngineConfig:
     kv_dtype: str | None = None  # K/V storage of contiguous and paged: KV_DTYPES (None: the activations' dtype)
     kv_residual: int | None = None  # quantized KV: newest tokens kept in full precision (None: the precision's own)
     kv_sink: int | None = None  # quantized KV: first tokens kept in full precision (None: the precision's own)
+    cuda_graphs: bool = True  # on CUDA, decode steps replay a graph per shape bucket (engine/graphs.py)
 
     def __post_init__(self):
         self.validate()
@@ -173,8 +174,9 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be positive, got {value}")
         if self.kv_budget_mib is not None and not self.kv_budget_mib > 0:
             raise ConfigError(f"the KV budget must be a positive number of MiB, got {self.kv_budget_mib}")
-        if not isinstance(self.prefix_reuse, bool):
-            raise ConfigError(f"prefix_reuse must be True or False, got {self.prefix_reuse!r}")
+        for name in ("prefix_reuse", "cuda_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.dtype not in (None, "float32", "float16", "bfloat16"):
             raise ConfigError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
         for name in ("kv_residual", "kv_sink"):

@@ -16,6 +16,7 @@ from engine.chat import Conversation, PromptTooLong, fit_to_context
 from engine.config import EngineConfig, SamplingParams, cache_preset
 from engine.detokenizer import IncrementalDetokenizer
 from engine.events import DoneEvent, Event, StepEvent, TrimEvent
+from engine.graphs import DecodeGraphs
 from engine.kv import precision
 from engine.kv.base import BLOCK_OTHER, KVCache, KVCacheFull, KVStats
 from engine.kv.factory import CacheShape, new_cache
@@ -100,6 +101,12 @@ class Engine:
         self._cancel = threading.Event()
         self._resolve_kv_precision(self.config.kv_dtype)
         self.cache = make_cache(self.config.cache, self, self.config.block_size, self.config.pool_tokens)
+        self.graphs = self.decode_graphs()
+
+    def decode_graphs(self) -> DecodeGraphs | None:
+        """Decode steps as CUDA graphs, on CUDA unless the config turns them off (engine/graphs.py)."""
+        return DecodeGraphs(self.model, capture=True) if self.device.type == "cuda" and self.config.cuda_graphs \
+            else None
 
     @classmethod
     def load(cls, model: str | None = None, config: EngineConfig | None = None,
@@ -168,6 +175,7 @@ class Engine:
                                      "block_size": block_size or self.config.block_size})
         self.cache = make_cache(new_config.cache, self, new_config.block_size, new_config.pool_tokens)
         self.config = new_config
+        self.graphs = self.decode_graphs()  # the old cache's graphs name its stores
 
     def set_weights(self, fmt: str) -> None:
         """Convert the loaded weights in place (Engine.load reads them from the file instead, when there is one);
@@ -317,9 +325,11 @@ class Engine:
         cache does not register a block holding one until a later step or a truncate keeps it)."""
         view = self.cache.begin_step(seq_ids, new_tokens)
         view.num_tentative = num_tentative
-        width = max(len(t) for t in new_tokens)
-        ids = torch.tensor([t + [0] * (width - len(t)) for t in new_tokens], device=self.device)  # [B, T]
-        logits = self.model(ids, view, all_logits=all_logits)
+        logits = self.graphs.step(view, new_tokens) if self.graphs is not None and not all_logits else None
+        if logits is None:
+            width = max(len(t) for t in new_tokens)
+            ids = torch.tensor([t + [0] * (width - len(t)) for t in new_tokens], device=self.device)  # [B, T]
+            logits = self.model(ids, view, all_logits=all_logits)
         self.cache.commit_step(view)
         return logits
 

@@ -31,6 +31,11 @@ def plans_changed() -> None:
     _plans_generation += 1
 
 
+def plans_generation() -> int:
+    """Bumped wherever a layer's tensors may have been replaced (what a captured graph's addresses depend on)."""
+    return _plans_generation
+
+
 @contextlib.contextmanager
 def op_by_op() -> Iterator[None]:
     """Inside the block every layer runs op by op (what the one-call layer must equal, bit for bit)."""
@@ -55,9 +60,9 @@ class TokenEmbedding(nn.Module):
         self.table = table
         self.dtype = dtype
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        # ids: [B, T] -> [B, T, H]
-        return self.table.rows(ids, self.dtype)
+    def forward(self, ids: torch.Tensor, checked: bool = False) -> torch.Tensor:
+        # ids: [B, T] -> [B, T, H]; checked: every id is a row of the table (engine/graphs.py checks them)
+        return self.table.rows(ids, self.dtype, checked)
 
 
 def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
@@ -412,7 +417,7 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def hidden_states(self, input_ids: torch.Tensor, view: StepView) -> torch.Tensor:
         """input_ids: [B, T] -> the last layer's output through the final norm, [B, T, H] (the head's input)."""
-        x = self.embed_tokens.forward(input_ids).contiguous()  # [B, T, H], the residual stream
+        x = self.embed_tokens.forward(input_ids, view.ids_checked).contiguous()  # [B, T, H], the residual stream
         if self.embedding_scale is not None:
             x = x * torch.tensor(self.embedding_scale, dtype=x.dtype)  # Gemma: rounded to the activations' dtype
         tables = [self.rotary.forward(view.positions, x.dtype)]  # cos, sin: [B, 1, T, D]

@@ -71,6 +71,7 @@ class KeyMap:
     kv_len: list[int]
     store_of: torch.Tensor | None = None  # [B, T] int32: where each new token is written (-1: padding)
     slot_of: torch.Tensor | None = None  # [B, T] int32
+    lists: tuple[list[list[int]], list[int], list[int]] | None = None  # the tables, block stores and starts as lists
     _gather: list | None = None  # the pure PyTorch path's gather plan, made on first use
     _scatter: list | None = None  # the pure PyTorch path's write plan, made on first use
 
@@ -92,7 +93,7 @@ class KeyMap:
         table, q_pos, store_of, slot_of = (torch.tensor(x, dtype=torch.int32, device=device)
                                            for x in (table, q_pos, store_of, slot_of))
         keys = cls(table, block_store, block_start, block_size, q_pos, [p + n for p, n in zip(past, n_new)])
-        keys.store_of, keys.slot_of = store_of, slot_of
+        keys.store_of, keys.slot_of, keys.lists = store_of, slot_of, (tables, stores, starts)
         return keys
 
     @classmethod

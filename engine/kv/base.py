@@ -53,6 +53,7 @@ class StepView(ABC):
     """One forward step over a batch of sequences, each advancing by n_new[i] tokens (right-padded)."""
 
     window: WindowStep | None = None  # the sliding layers' rings this step, where the model has them
+    ids_checked = False  # whether the step's token ids were checked against the vocabulary before it
 
     def __init__(self, seq_ids: list[int], past: list[int], n_new: list[int], device: torch.device):
         self.seq_ids = seq_ids

@@ -45,14 +45,18 @@ class ContiguousView(StepView):
     def attend(self, layer, q, k, v, spec=None):
         if (at := self.store_layer(layer)) is None:
             return self.window.attend(layer, q, k, v, spec)
-        keys, values = [buf.k_layers[at] for buf in self.buffers], [buf.v_layers[at] for buf in self.buffers]
+        keys, values = self.layer_stores(at)
         write(keys, values, k, v, self.keys)
         return attend(q, keys, values, self.keys, spec)
+
+    def layer_stores(self, at: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The keys and the values of the cache's layer `at`: [Hkv, capacity, D] per sequence of the step."""
+        return [b.k_layers[at] for b in self.buffers], [b.v_layers[at] for b in self.buffers]
 
     def fused_kv(self, layer):
         if (at := self.store_layer(layer)) is None:
             return None
-        return self.keys.fused_kv([b.k_layers[at] for b in self.buffers], [b.v_layers[at] for b in self.buffers])
+        return self.keys.fused_kv(*self.layer_stores(at))
 
 
 class ContiguousCache(KVCache):

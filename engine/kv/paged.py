@@ -73,15 +73,18 @@ class PagedView(StepView):
     def attend(self, layer, q, k, v, spec=None):
         if (at := self.store_layer(layer)) is None:
             return self.window.attend(layer, q, k, v, spec)
-        c, layer = self.cache, at  # from here on, the layer as the cache's stores number it
-        keys, values = c.layer_stores(0, layer), c.layer_stores(1, layer)  # [Hkv, chunk slots, D] per chunk
+        keys, values = self.layer_stores(at)
         write(keys, values, k, v, self.keys)
         return attend(q, keys, values, self.keys, spec)
+
+    def layer_stores(self, at: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The keys and the values of the cache's layer `at`: [Hkv, chunk slots, D] per chunk."""
+        return self.cache.layer_stores(0, at), self.cache.layer_stores(1, at)
 
     def fused_kv(self, layer):
         if (at := self.store_layer(layer)) is None:
             return None
-        return self.keys.fused_kv(self.cache.layer_stores(0, at), self.cache.layer_stores(1, at))
+        return self.keys.fused_kv(*self.layer_stores(at))
 
     def fused_step(self, num_layers):
         """As StepView's, from the pool's per-layer groups where every layer is the pool's own (no sliding layer)."""

@@ -115,8 +115,9 @@ class WeightLinear(nn.Module):
         quantized formats write it into the thread's scratch buffer. -> [N, K]"""
         return self.dense(dtype)
 
-    def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Embedding lookup: rows of W. index: [...] -> [..., K]."""
+    def rows(self, index: torch.Tensor, dtype: torch.dtype, checked: bool = False) -> torch.Tensor:
+        """Embedding lookup: rows of W. index: [...] -> [..., K]. checked: the caller has checked every index
+        (nothing here may read the indices back to the host: a CUDA graph's capture forbids it)."""
         return self.dense(dtype)[index]
 
     @property
@@ -151,7 +152,7 @@ class FloatLinear(WeightLinear):
     def dense(self, dtype):
         return self.weight if self.weight.dtype == dtype else self.weight.to(dtype)
 
-    def rows(self, index, dtype):
+    def rows(self, index, dtype, checked=False):
         return self.weight[index].to(dtype)
 
 
@@ -224,7 +225,7 @@ class Int8Linear(WeightLinear):
             return self.dense(dtype)
         return self.dense(dtype, out=scratch(n * k, dtype, device))
 
-    def rows(self, index, dtype):
+    def rows(self, index, dtype, checked=False):
         if self.compiled is not None and dtype == torch.float32 and index.device.type == "cpu":
             return self.compiled.int8_embed(self.codes, self.scales, index)  # the same products, one call
         codes, scales = self._parts()
@@ -344,13 +345,12 @@ class Int4Linear(WeightLinear):
             return self.dense(dtype)
         return self.dense(dtype, out=scratch(n * k, dtype, self.scales.device))
 
-    def rows(self, index, dtype):
+    def rows(self, index, dtype, checked=False):
         """Embedding lookup: only the rows asked for are unpacked and dequantized (the whole weight per call took
         89 ms for a 49,152 x 576 table: every decode step of a model whose embedding a GGUF holds in 4 bits)."""
         flat = index.reshape(-1)
-        outside = flat[(flat < 0) | (flat >= self.out_features)]
-        if outside.numel():
-            raise IndexError(f"embedding row {int(outside[0])} is outside the table's {self.out_features} rows")
+        if not checked:
+            check_rows(flat, self.out_features)
         if self.in_gguf_order:
             picked = QuantizedWeight(4, self.kernel_codes[flat], self.scales[flat], self.minimums[flat])
             return picked.dequantize(dtype).view(*index.shape, self.in_features)
@@ -391,6 +391,14 @@ def params_from_rows16(params: torch.Tensor) -> torch.Tensor:
     """params_to_rows16 undone: [N/16, G, 16] -> [N, G]."""
     row_groups, groups, _ = params.shape
     return params.transpose(1, 2).reshape(row_groups * ROW_BLOCK, groups)
+
+
+def check_rows(flat: torch.Tensor, num_rows: int) -> None:
+    """Raise IndexError naming the first index that is not a row of a table of num_rows (a negative one would
+    silently pick a row from the end)."""
+    outside = flat[(flat < 0) | (flat >= num_rows)]
+    if outside.numel():
+        raise IndexError(f"embedding row {int(outside[0])} is outside the table's {num_rows} rows")
 
 
 def rows16_parts(codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor):

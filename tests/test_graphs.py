@@ -1,0 +1,178 @@
+"""Decode steps of fixed shapes, what a CUDA graph captures and replays (engine/graphs.py, engine/kv/fixed.py).
+
+On this CPU the body runs eagerly on the same buffers a replay reads (capture=False): it must give the eager
+step's tokens, the same bits for every layout, and be capturable: no op that reads a value back to the host, and
+the same ops with the same shapes whatever the values, for every step of a shape."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from engine import kernels
+from engine.graphs import DecodeGraphs
+from engine.kv.fixed import BUCKET_TOKENS, bucket_keys, bucket_rows, padded_writes
+from engine.weights.formats import quantize_int4
+from engine.weights.linear import Int4Linear
+
+PROMPT = [(7 * i + 3) % 900 + 100 for i in range(BUCKET_TOKENS - 20)]  # crosses a bucket 20 steps in
+
+
+def with_fixed_steps(engine):
+    engine.graphs = DecodeGraphs(engine.model, capture=False)
+    return engine
+
+
+def greedy(engine, seq_id: int, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    engine.cache.prepare(seq_id, prompt)
+    token = int(engine.step([seq_id], [prompt])[0].argmax())
+    tokens, logits = [token], []
+    for _ in range(steps):
+        logits.append(engine.step([seq_id], [[token]])[0])
+        token = int(logits[-1].argmax())
+        tokens.append(token)
+    return tokens, logits
+
+
+def test_shapes_bucket_rows_to_powers_of_two_and_keys_to_whole_buckets():
+    assert [bucket_rows(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
+    assert [bucket_keys(n) for n in (1, 256, 257, 700)] == [256, 256, 512, 768]
+
+
+def test_padded_writes_put_back_a_slot_the_step_does_not_write():
+    assert padded_writes(torch.tensor([0, 1, 3]), 6).tolist() == [0, 1, 3, 2, 2, 2]
+    assert padded_writes(torch.tensor([5]), 2).tolist() == [5, 0]
+
+
+@pytest.mark.parametrize("cache, block_size", [("contiguous", 16), ("paged", 1), ("paged", 16), ("paged", 64)])
+def test_a_fixed_step_gives_the_eager_steps_tokens(tiny_engine_factory, cache, block_size):
+    eager = tiny_engine_factory(cache, block_size)
+    fixed = with_fixed_steps(tiny_engine_factory(cache, block_size))
+    want, want_logits = greedy(eager, 1, PROMPT, 40)
+    got, got_logits = greedy(fixed, 1, PROMPT, 40)
+    assert got == want
+    torch.testing.assert_close(torch.stack(got_logits), torch.stack(want_logits), atol=1e-4, rtol=0)
+    assert fixed.graphs.captures >= 2  # the keys' bucket changed at 256 tokens (and a grown pool's stores moved)
+
+
+def test_every_layout_gives_the_same_bits_through_fixed_steps(tiny_engine_factory):
+    runs = [greedy(with_fixed_steps(tiny_engine_factory(c, b)), 1, PROMPT, 24)
+            for c, b in [("contiguous", 16), ("paged", 1), ("paged", 16), ("paged", 64)]]
+    for tokens, logits in runs[1:]:
+        assert tokens == runs[0][0]
+        assert all(torch.equal(a, b) for a, b in zip(logits, runs[0][1]))
+
+
+def test_a_batch_of_sequences_steps_through_one_fixed_shape(tiny_engine_factory):
+    """Three sequences of different lengths in one step (rows padded to four) give each its own eager logits."""
+    eager, fixed = tiny_engine_factory("paged"), with_fixed_steps(tiny_engine_factory("paged"))
+    prompts = [PROMPT[:40], PROMPT[:300], PROMPT[5:120]]
+    for engine in (eager, fixed):
+        for i, prompt in enumerate(prompts):
+            engine.cache.prepare(i, prompt)
+            engine.step([i], [prompt])
+    tokens = [[11], [12], [13]]
+    for _ in range(6):
+        want, got = eager.step([0, 1, 2], tokens), fixed.step([0, 1, 2], tokens)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        tokens = [[int(t)] for t in want.argmax(-1)]
+    assert fixed.graphs.captures == 1
+
+
+def test_steps_a_fixed_shape_cannot_take_run_eagerly(tiny_engine_factory):
+    """Quantized codes, several new tokens (a prompt, speculative verify rows) and all-position logits."""
+    quantized = with_fixed_steps(tiny_engine_factory("paged", kv_dtype="int8"))
+    greedy(quantized, 1, PROMPT[:50], 3)
+    assert quantized.graphs.captures == 0
+    engine = with_fixed_steps(tiny_engine_factory("paged"))
+    engine.cache.prepare(1, PROMPT[:50])
+    engine.step([1], [PROMPT[:50]])
+    engine.step([1], [[5]], all_logits=True)
+    assert engine.graphs.captures == 0
+    engine.step([1], [[5]])
+    assert engine.graphs.captures == 1
+
+
+def test_a_token_outside_the_vocabulary_is_refused_and_the_cache_keeps_what_it_held(tiny_engine_factory):
+    engine = with_fixed_steps(tiny_engine_factory("paged"))
+    engine.cache.prepare(1, PROMPT[:50])
+    engine.step([1], [PROMPT[:50]])
+    vocab = engine.model.config.vocab_size
+    for bad in (vocab, -1):
+        with pytest.raises(IndexError, match=f"embedding row {bad} is outside"):
+            engine.step([1], [[bad]])
+        assert engine.cache.tokens_held(1) == 50
+
+
+def test_new_weights_drop_the_graphs_that_name_the_old_ones(tiny_engine_factory):
+    engine = with_fixed_steps(tiny_engine_factory("paged"))
+    greedy(engine, 1, PROMPT[:50], 2)
+    assert len(engine.graphs.entries) == 1
+    engine.model.forget_one_call_plans()  # what a weight conversion does
+    graphs = engine.graphs
+    engine.step([1], [[5]])
+    assert graphs.captures == 2 and len(graphs.entries) == 1
+
+
+FORBIDDEN = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "unique_consecutive",
+             "unique_dim", "lift_fresh", "lift_fresh_copy", "equal", "is_nonzero", "repeat_interleave"}
+
+
+class OpRecorder(TorchDispatchMode):
+    """Every op the dispatcher runs, with its tensor arguments' shapes and dtypes."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        self.ops.append((func.overloadpacket.__name__, tuple((tuple(t.shape), t.dtype) for t in tensors)))
+        return func(*args, **(kwargs or {}))
+
+
+def host_reads(ops: list[tuple]) -> list[tuple]:
+    """Ops a CUDA graph's capture refuses: values read back to the host, shapes that depend on values, tensors made
+    from Python data, and indexing by a mask."""
+    return [op for op in ops if op[0] in FORBIDDEN or op[0] in ("index", "index_put", "index_put_")
+            and any(dtype == torch.bool for _, dtype in op[1][1:])]
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8", "float32"])
+def test_the_fixed_step_body_is_capturable(tiny_engine_factory, weights):
+    """The body as CUDA would run it (the pure PyTorch path, float16 activations): no op reads a value back to the
+    host, and two steps of one shape with other tokens and positions run the same ops on the same shapes."""
+    with kernels.pure_pytorch():
+        engine = with_fixed_steps(tiny_engine_factory("paged", weights=weights, dtype="float16"))
+        greedy(engine, 1, PROMPT[:50], 1)
+        graphs, steps = engine.graphs, []
+        body = graphs.body
+
+        def recorded_body(entry, stores):
+            with OpRecorder() as recorder:
+                logits = body(entry, stores)
+            steps.append(recorder.ops)
+            return logits
+
+        graphs.body = recorded_body
+        for token in (5, 900):
+            engine.step([1], [[token]])
+    assert len(steps) == 2 and steps[0] and not host_reads(steps[0])
+    assert steps[0] == steps[1]
+
+
+@pytest.mark.parametrize("pure", [True, False])
+def test_an_int4_tables_lookup_reads_ids_back_only_to_check_them(pure):
+    """The eager lookup checks its ids on the host (what the recorder must flag); with checked ids (the fixed
+    step checks them before it runs) it does not."""
+    with kernels.pure_pytorch() if pure else contextlib.nullcontext():
+        table = Int4Linear(quantize_int4(torch.randn(64, 64)))
+    ids = torch.tensor([[3, 60]])
+    for checked in (False, True):
+        with OpRecorder() as recorder:
+            rows = table.rows(ids, torch.float16, checked)
+        assert rows.shape == (1, 2, 64)
+        assert bool(host_reads(recorder.ops)) is not checked
