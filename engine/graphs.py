@@ -18,7 +18,7 @@ import torch
 
 from engine import model as model_module
 from engine.kv.base import StepView
-from engine.kv.fixed import FixedView, Shape, float_layer_stores, pack_places, shape_of
+from engine.kv.fixed import BlockArrays, FixedView, Places, Shape, float_layer_stores, pack_places, shape_of
 
 MAX_GRAPHS = 16  # graphs kept, the least recently used dropped first (they share one memory pool)
 WARMUP_RUNS = 2  # eager runs on a side stream before a capture (cuBLAS workspaces, the allocator's blocks)
@@ -41,6 +41,7 @@ class DecodeGraphs:
         self.entries: OrderedDict[Shape, Entry] = OrderedDict()
         self.captures = 0  # graphs captured (without capture: shapes built)
         self.generation = model_module.plans_generation()
+        self.blocks = BlockArrays()
         self.pool = torch.cuda.graph_pool_handle() if capture else None
 
     def step(self, view: StepView, new_tokens: list[list[int]]) -> torch.Tensor | None:
@@ -54,9 +55,10 @@ class DecodeGraphs:
         tokens = [t[0] for t in new_tokens]
         check_ids(tokens, self.model.embed_tokens.table.out_features)
         self.forget_if_weights_changed()
-        shape = shape_of(view, stores)
+        places = Places.of(view, self.blocks, len(stores[0][0]))
+        shape = shape_of(view, stores, places)
         entry = self.entry(shape, view.positions.device)
-        entry.packed.copy_(pack_places(view, tokens, shape))
+        entry.packed.copy_(torch.from_numpy(pack_places(view, tokens, shape, places)))
         return self.run(entry, stores)[:len(tokens)]
 
     def entry(self, shape: Shape, device: torch.device) -> Entry:
@@ -95,7 +97,7 @@ class DecodeGraphs:
                 self.body(entry, stores)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):  # the app's other threads
             logits = self.body(entry, stores)
         self.captures += 1
         return graph, logits

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine import kernels
 from engine.graphs import DecodeGraphs
-from engine.kv.fixed import BUCKET_TOKENS, bucket_keys, bucket_rows, padded_writes
+from engine.kv.fixed import BUCKET_TOKENS, bucket_keys, bucket_rows, spare_slot
 from engine.weights.formats import quantize_int4
 from engine.weights.linear import Int4Linear
 
@@ -43,8 +43,8 @@ def test_shapes_bucket_rows_to_powers_of_two_and_keys_to_whole_buckets():
 
 
 def test_padded_writes_put_back_a_slot_the_step_does_not_write():
-    assert padded_writes(torch.tensor([0, 1, 3]), 6).tolist() == [0, 1, 3, 2, 2, 2]
-    assert padded_writes(torch.tensor([5]), 2).tolist() == [5, 0]
+    assert spare_slot([0, 1, 3]) == 2
+    assert spare_slot([5]) == 0 and spare_slot([]) == 0
 
 
 @pytest.mark.parametrize("cache, block_size", [("contiguous", 16), ("paged", 1), ("paged", 16), ("paged", 64)])
@@ -141,10 +141,11 @@ def host_reads(ops: list[tuple]) -> list[tuple]:
             and any(dtype == torch.bool for _, dtype in op[1][1:])]
 
 
-@pytest.mark.parametrize("weights", ["int4", "int8", "float32"])
+@pytest.mark.parametrize("weights", ["bfloat16", "int4", "int8", "float32"])
 def test_the_fixed_step_body_is_capturable(tiny_engine_factory, weights):
-    """The body as CUDA would run it (the pure PyTorch path, float16 activations): no op reads a value back to the
-    host, and two steps of one shape with other tokens and positions run the same ops on the same shapes."""
+    """The body as CUDA would run it (the pure PyTorch path, float16 activations; `auto` weights are bfloat16 on
+    CUDA): no op reads a value back to the host, and two steps of one shape with other tokens and positions run
+    the same ops on the same shapes."""
     with kernels.pure_pytorch():
         engine = with_fixed_steps(tiny_engine_factory("paged", weights=weights, dtype="float16"))
         greedy(engine, 1, PROMPT[:50], 1)

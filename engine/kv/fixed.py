@@ -15,8 +15,10 @@ Keys are gathered in position order into [R, Hkv, S, D] and attended with the pu
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.kv.attention import FLOAT_STORES, PLAIN, LayerAttention, attend_padded
@@ -36,33 +38,43 @@ def bucket_keys(n: int) -> int:
 
 @dataclass(frozen=True)
 class Shape:
-    """Everything a fixed step's ops depend on. stores: per layer, the (address, slots) of each key store and
-    then of each value store; reads: per store, how many key reads its index holds (a multiple of keys)."""
+    """Everything a fixed step's ops depend on. stores: per store, the addresses of its first and last layer's keys
+    and values and its slots (the stores of the layers between are views of the same tensors, evenly spaced);
+    reads: per store, how many key reads its index holds (a multiple of keys).
+
+    The packed buffer: ids, positions, q_pos [R] each; every store's read slots, then their destinations
+    [sum(reads)] each; write slots, sources and whether each is new, [num_stores, R] each."""
 
     rows: int
     keys: int
-    stores: tuple[tuple[tuple[int, int], ...], ...]
+    stores: tuple[tuple[int, ...], ...]
     reads: tuple[int, ...]
 
     @property
     def num_stores(self) -> int:
         return len(self.reads)
 
-    def fields(self) -> dict[str, tuple[int, int]]:
-        """Where each index lies in the packed buffer: name -> (offset, length)."""
-        r, at, out = self.rows, 0, {}
-        sizes = [("ids", r), ("positions", r), ("q_pos", r)]
-        for s, reads in enumerate(self.reads):
-            sizes += [(f"read_slot{s}", reads), (f"read_dest{s}", reads), (f"write_slot{s}", r),
-                      (f"write_src{s}", r), (f"write_new{s}", r)]
-        for name, n in sizes:
-            out[name] = (at, n)
-            at += n
-        return out
+    @functools.cached_property
+    def read_offsets(self) -> np.ndarray:
+        return np.cumsum((0, *self.reads[:-1]))
 
     @property
     def size(self) -> int:
-        return sum(n for _, n in self.fields().values())
+        return 3 * self.rows + 2 * sum(self.reads) + 3 * self.num_stores * self.rows
+
+    def parts(self, packed):
+        """packed (a numpy array or a tensor) -> its parts by name: ids, positions, q_pos [R]; read_slot, read_dest
+        [sum(reads)]; write_slot, write_src, write_new [num_stores, R]."""
+        r, total, n = self.rows, sum(self.reads), self.num_stores
+        sizes = {"ids": r, "positions": r, "q_pos": r, "read_slot": total, "read_dest": total,
+                 "write_slot": n * r, "write_src": n * r, "write_new": n * r}
+        out, at = {}, 0
+        for name, size in sizes.items():
+            out[name] = packed[at:at + size]
+            at += size
+        for name in ("write_slot", "write_src", "write_new"):
+            out[name] = out[name].reshape(n, r)
+        return out
 
 
 def float_layer_stores(view: StepView, num_layers: int) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]] | None:
@@ -78,76 +90,84 @@ def float_layer_stores(view: StepView, num_layers: int) -> list[tuple[list[torch
     return stores
 
 
-def shape_of(view: StepView, stores: list[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> Shape:
+class BlockArrays:
+    """A block map's lists (a KeyMap's block stores and starts) as numpy arrays, converted once per map: a paged
+    pool hands every step the same lists until it changes."""
+
+    def __init__(self):
+        self.lists: tuple[list[int], list[int]] | None = None  # held: the identity check needs them alive
+        self.arrays: tuple[np.ndarray, np.ndarray] | None = None
+
+    def of(self, stores: list[int], starts: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        if self.lists is None or self.lists[0] is not stores or self.lists[1] is not starts:
+            self.lists, self.arrays = (stores, starts), (np.asarray(stores), np.asarray(starts))
+        return self.arrays
+
+
+@dataclass
+class Places:
+    """Where every key of a step lies, one entry per key, sequence after sequence in position order (host arrays):
+    its store and slot, its sequence's row and its position; and how many keys each store holds."""
+
+    store: np.ndarray
+    slot: np.ndarray
+    row: np.ndarray
+    position: np.ndarray
+    counts: np.ndarray
+
+    @classmethod
+    def of(cls, view: StepView, blocks: BlockArrays, num_stores: int) -> Places:
+        tables, block_stores, block_starts = view.keys.lists
+        stores, starts = blocks.of(block_stores, block_starts)
+        size = view.keys.block_size
+        position = np.concatenate([np.arange(n) for n in view.kv_len])
+        row = np.repeat(np.arange(len(tables)), view.kv_len)
+        block = np.concatenate([np.asarray(t)[np.arange(n) // size] for t, n in zip(tables, view.kv_len)])
+        store = stores[block]
+        return cls(store, starts[block] + position % size, row, position, np.bincount(store, minlength=num_stores))
+
+
+def shape_of(view: StepView, stores: list[tuple[list[torch.Tensor], list[torch.Tensor]]], places: Places) -> Shape:
     """The Shape of a decode step (one new token a sequence) over these stores."""
     rows, keys = bucket_rows(len(view.seq_ids)), bucket_keys(max(view.kv_len))
-    addresses = tuple(tuple((t.data_ptr(), t.shape[1]) for t in (*k, *v)) for k, v in stores)
-    counts = reads_per_store(view, len(stores[0][0]))
-    return Shape(rows, keys, addresses, tuple(-(-max(n, 1) // keys) * keys for n in counts))
+    (k0, v0), (k1, v1) = stores[0], stores[-1]
+    addresses = tuple((a.data_ptr(), b.data_ptr(), c.data_ptr(), d.data_ptr(), a.shape[1])
+                      for a, b, c, d in zip(k0, v0, k1, v1))
+    return Shape(rows, keys, addresses, tuple(-(-max(int(n), 1) // keys) * keys for n in places.counts))
 
 
-def reads_per_store(view: StepView, num_stores: int) -> list[int]:
-    """How many of the step's keys each store holds (a block a sequence reads once; shared blocks once each)."""
-    tables, block_stores, _ = view.keys.lists
-    size, counts = view.keys.block_size, [0] * num_stores
-    for blocks, length in zip(tables, view.kv_len):
-        full, rest = divmod(length, size)
-        for b in blocks[:full]:
-            counts[block_stores[b]] += size
-        if rest:
-            counts[block_stores[blocks[full]]] += rest
-    return counts
-
-
-def key_places(view: StepView, shape: Shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Where key p of each sequence lies: store [B, S], slot [B, S] (int64), held [B, S] (p < its length)."""
-    tables, block_stores, block_starts = view.keys.lists
-    size, width = view.keys.block_size, max(len(t) for t in tables)
-    table = torch.tensor([t + [t[-1]] * (width - len(t)) for t in tables])  # [B, W] block ids
-    blocks = torch.tensor(block_stores), torch.tensor(block_starts)  # [num_blocks] each
-    p = torch.arange(shape.keys)
-    block = table[:, (p // size).clamp(max=width - 1)]  # [B, S]
-    held = p[None] < torch.tensor(view.kv_len)[:, None]
-    return blocks[0][block], blocks[1][block] + p % size, held
-
-
-def pack_places(view: StepView, tokens: list[int], shape: Shape) -> torch.Tensor:
-    """The step's indices in the Shape's packed layout: int64 [shape.size] on the host."""
+def pack_places(view: StepView, tokens: list[int], shape: Shape, places: Places) -> np.ndarray:
+    """The step's indices in the Shape's packed layout: int64 [shape.size] (host)."""
     b, r, s = len(tokens), shape.rows, shape.keys
-    packed = torch.zeros(shape.size, dtype=torch.int64)
-    fields = shape.fields()
-
-    def put(name: str, values: torch.Tensor) -> None:
-        at, _ = fields[name]
-        packed[at:at + len(values)] = values
-
-    put("ids", torch.tensor(tokens))
-    put("positions", torch.tensor(view.past))
-    put("q_pos", torch.tensor(view.past + [-1] * (r - b)))
-    store, slot, held = key_places(view, shape)
-    dest = torch.arange(b * s).view(b, s)
-    last = torch.tensor(view.kv_len) - 1  # the new key of each row
-    new_store, new_slot = store[torch.arange(b), last], slot[torch.arange(b), last]
+    packed = np.zeros(shape.size, dtype=np.int64)
+    part = shape.parts(packed)
+    part["ids"][:b], part["positions"][:b] = tokens, view.past
+    part["q_pos"][:] = -1
+    part["q_pos"][:b] = view.past
+    order = np.argsort(places.store, kind="stable")  # keys grouped by store, in position order within each
+    store = places.store[order]
+    rank = np.arange(len(order)) - (np.cumsum(places.counts) - places.counts)[store]
+    at = shape.read_offsets[store] + rank
+    part["read_dest"][:] = r * s  # padding: the spare row
+    part["read_slot"][at] = places.slot[order]
+    part["read_dest"][at] = places.row[order] * s + places.position[order]
+    last = np.cumsum(view.kv_len) - 1  # each row's new key
+    new_store, new_slot = places.store[last], places.slot[last]
     for i in range(shape.num_stores):
-        mine = held & (store == i)
-        reads = fields[f"read_slot{i}"][1]
-        put(f"read_slot{i}", slot[mine])
-        put(f"read_dest{i}", torch.cat([dest[mine], torch.full((reads - int(mine.sum()),), r * s)]))
-        writes = (new_store == i).nonzero().flatten()
-        put(f"write_slot{i}", padded_writes(new_slot[writes], r))
-        put(f"write_src{i}", writes)
-        put(f"write_new{i}", torch.ones(len(writes), dtype=torch.int64))
+        writes = np.flatnonzero(new_store == i)
+        n = len(writes)
+        part["write_slot"][i, :n], part["write_slot"][i, n:] = new_slot[writes], spare_slot(new_slot[writes])
+        part["write_src"][i, :n], part["write_new"][i, :n] = writes, 1
     return packed
 
 
-def padded_writes(slots: torch.Tensor, rows: int) -> torch.Tensor:
-    """A store's write slots padded to `rows` with one slot it does not write this step (the padding writes that
-    slot's own value back: duplicates of one value, so the result does not depend on their order)."""
-    spare = 0
-    taken = set(slots.tolist())
+def spare_slot(written) -> int:
+    """A slot a store does not write this step: its padded writes put that slot's own value back (duplicates of
+    one value, so the result does not depend on their order)."""
+    taken, spare = set(int(x) for x in written), 0
     while spare in taken:
         spare += 1
-    return torch.cat([slots, torch.full((rows - len(slots),), spare)])
+    return spare
 
 
 class FixedView(StepView):
@@ -162,10 +182,15 @@ class FixedView(StepView):
         # not StepView.__init__: it builds a step's tensors from lists, and this view's come from `packed`
         self.shape, self.seq_ids, self.past, self.kv_len = shape, [], [], []
         self.n_new = [1] * shape.rows
-        self.index = {name: packed[at:at + n] for name, (at, n) in shape.fields().items()}
-        self.ids = self.index["ids"].view(shape.rows, 1)  # [R, 1]
-        self.positions = self.index["positions"].view(shape.rows, 1)  # [R, 1]
-        self.q_pos = self.index["q_pos"].view(shape.rows, 1)  # [R, 1]
+        part = shape.parts(packed)
+        self.ids = part["ids"].view(shape.rows, 1)  # [R, 1]
+        self.positions = part["positions"].view(shape.rows, 1)  # [R, 1]
+        self.q_pos = part["q_pos"].view(shape.rows, 1)  # [R, 1]
+        spans = [slice(int(at), int(at) + n) for at, n in zip(shape.read_offsets, shape.reads)]
+        self.read_slot = [part["read_slot"][span] for span in spans]  # per store [reads]
+        self.read_dest = [part["read_dest"][span] for span in spans]
+        self.write_slot, self.write_src = part["write_slot"], part["write_src"]  # [num_stores, R]
+        self.write_new = part["write_new"]  # [num_stores, R]: 1 where a write is a new key
         self.stores: list[tuple[list[torch.Tensor], list[torch.Tensor]]] | None = None
 
     def fused_step(self, num_layers):
@@ -187,13 +212,12 @@ class FixedView(StepView):
         out = torch.zeros(hkv, r * s + 1, d, dtype=dtype, device=new.device)  # the last row takes padded reads
         for i, store in enumerate(stores):
             self.write(store, rows, i)
-            out.index_copy_(1, self.index[f"read_dest{i}"], store.index_select(1, self.index[f"read_slot{i}"])
-                            .to(dtype))
+            out.index_copy_(1, self.read_dest[i], store.index_select(1, self.read_slot[i]).to(dtype))
         return out[:, :r * s].view(hkv, r, s, d).transpose(0, 1)
 
     def write(self, store: torch.Tensor, rows: torch.Tensor, i: int) -> None:
         """rows [Hkv, R, D] into store i where its write indices say (the padding puts a slot's value back)."""
-        slots = self.index[f"write_slot{i}"]
-        new = rows.index_select(1, self.index[f"write_src{i}"]).to(store.dtype)  # [Hkv, R, D]
-        keep = self.index[f"write_new{i}"].bool()[None, :, None]
-        store.index_copy_(1, slots, torch.where(keep, new, store.index_select(1, slots)))
+        slots = self.write_slot[i]
+        new = rows.index_select(1, self.write_src[i]).to(store.dtype)  # [Hkv, R, D]
+        is_new = (self.write_new[i] != 0)[None, :, None]  # [1, R, 1]
+        store.index_copy_(1, slots, torch.where(is_new, new, store.index_select(1, slots)))
