@@ -40,7 +40,8 @@ def bucket_keys(n: int) -> int:
 class Shape:
     """Everything a fixed step's ops depend on. stores: per store, the addresses of its first and last layer's keys
     and values and its slots (the stores of the layers between are views of the same tensors, evenly spaced);
-    reads: per store, how many key reads its index holds (a multiple of keys).
+    reads: per store, how many key reads its index holds (the keys it holds this step, bucketed as a row's keys: a
+    pool's full chunks keep their count, so a growing sequence changes the shape once a bucket, as its length does).
 
     The packed buffer: ids, positions, q_pos [R] each; every store's read slots, then their destinations
     [sum(reads)] each; write slots, sources and whether each is new, [num_stores, R] each."""
@@ -133,7 +134,7 @@ def shape_of(view: StepView, stores: list[tuple[list[torch.Tensor], list[torch.T
     (k0, v0), (k1, v1) = stores[0], stores[-1]
     addresses = tuple((a.data_ptr(), b.data_ptr(), c.data_ptr(), d.data_ptr(), a.shape[1])
                       for a, b, c, d in zip(k0, v0, k1, v1))
-    return Shape(rows, keys, addresses, tuple(-(-max(int(n), 1) // keys) * keys for n in places.counts))
+    return Shape(rows, keys, addresses, tuple(bucket_keys(max(int(n), 1)) for n in places.counts))
 
 
 def pack_places(view: StepView, tokens: list[int], shape: Shape, places: Places) -> np.ndarray:
