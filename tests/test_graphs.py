@@ -58,6 +58,18 @@ def test_a_fixed_step_gives_the_eager_steps_tokens(tiny_engine_factory, cache, b
     assert fixed.graphs.captures >= 2  # the keys' bucket changed at 256 tokens (and a grown pool's stores moved)
 
 
+def test_as_on_cuda_a_fixed_step_gives_the_eager_steps_tokens(tiny_engine_factory):
+    """What CUDA runs (the pure PyTorch path, float16 activations, `auto`'s bfloat16 weights there): the eager
+    step and the fixed one agree on the greedy tokens, their logits within float16's rounding."""
+    with kernels.pure_pytorch():
+        eager = tiny_engine_factory("paged", weights="bfloat16", dtype="float16")
+        fixed = with_fixed_steps(tiny_engine_factory("paged", weights="bfloat16", dtype="float16"))
+        want, want_logits = greedy(eager, 1, PROMPT, 32)
+        got, got_logits = greedy(fixed, 1, PROMPT, 32)
+    assert got == want
+    torch.testing.assert_close(torch.stack(got_logits), torch.stack(want_logits), atol=0.02, rtol=0.01)
+
+
 def test_every_layout_gives_the_same_bits_through_fixed_steps(tiny_engine_factory):
     runs = [greedy(with_fixed_steps(tiny_engine_factory(c, b)), 1, PROMPT, 24)
             for c, b in [("contiguous", 16), ("paged", 1), ("paged", 16), ("paged", 64)]]
