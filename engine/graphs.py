@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from engine import model as model_module
+from engine.kv.attention import BlockArrays, Places
 from engine.kv.base import StepView
-from engine.kv.fixed import BlockArrays, FixedView, Places, Shape, float_layer_stores, pack_places, shape_of
+from engine.kv.fixed import FixedView, Shape, float_layer_stores, pack_places, shape_of
 
 MAX_GRAPHS = 16  # graphs kept, the least recently used dropped first (they share one memory pool)
 WARMUP_RUNS = 2  # eager runs on a side stream before a capture (cuBLAS workspaces, the allocator's blocks)
@@ -55,7 +56,7 @@ class DecodeGraphs:
         tokens = [t[0] for t in new_tokens]
         check_ids(tokens, self.model.embed_tokens.table.out_features)
         self.forget_if_weights_changed()
-        places = Places.of(view, self.blocks, len(stores[0][0]))
+        places = Places.of(view.keys, self.blocks, len(stores[0][0]))
         shape = shape_of(view, stores, places)
         entry = self.entry(shape, view.positions.device)
         entry.packed.copy_(torch.from_numpy(pack_places(view, tokens, shape, places)))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine import kernels
@@ -117,22 +118,56 @@ class KeyMap:
         return [self.table, self.block_store, self.block_start, self.q_pos, self.store_of, self.slot_of]
 
     def gather_plan(self, num_stores: int) -> list:
-        """Per store: (slots to read, where they go in the padded [B * S_pad] key order); and S_pad."""
+        """Per store that holds keys: its index, (slots to read, where they go in the padded [B * S_pad] key order),
+        each in position order; and S_pad."""
         if self._gather is None:
             s_pad = -(-max(self.kv_len) // TILE) * TILE
-            table, stores, starts = self.table.tolist(), self.block_store.tolist(), self.block_start.tolist()
-            reads: list[tuple[list[int], list[int]]] = [([], []) for _ in range(num_stores)]
-            for b, length in enumerate(self.kv_len):
-                for p in range(length):
-                    block = table[b][p // self.block_size]
-                    slots, dest = reads[stores[block]]
-                    slots.append(starts[block] + p % self.block_size)
-                    dest.append(b * s_pad + p)
+            places = Places.of(self, BlockArrays(), num_stores)
+            dest = places.row * s_pad + places.position
+            index = np.flatnonzero(places.counts).tolist()
             dev = self.q_pos.device
-            plan = [(torch.tensor(s, device=dev), torch.tensor(d, device=dev)) for s, d in reads if s]
-            index = [i for i, (s, _) in enumerate(reads) if s]
+            plan = [(torch.from_numpy(places.slot[mine]).to(dev), torch.from_numpy(dest[mine]).to(dev))
+                    for mine in (places.store == i for i in index)]
             self._gather = [index, plan, s_pad]
         return self._gather
+
+
+class BlockArrays:
+    """A block map's lists (a KeyMap's block stores and starts) as numpy arrays, converted once per map: a paged
+    pool hands every step the same lists until it changes."""
+
+    def __init__(self):
+        self.lists: tuple[list[int], list[int]] | None = None  # held: the identity check needs them alive
+        self.arrays: tuple[np.ndarray, np.ndarray] | None = None
+
+    def of(self, stores: list[int], starts: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        if self.lists is None or self.lists[0] is not stores or self.lists[1] is not starts:
+            self.lists, self.arrays = (stores, starts), (np.asarray(stores), np.asarray(starts))
+        return self.arrays
+
+
+@dataclass
+class Places:
+    """Where every key of a step lies, one entry per key, sequence after sequence in position order (host arrays):
+    its store and slot, its sequence's row and its position; and how many keys each store holds."""
+
+    store: np.ndarray
+    slot: np.ndarray
+    row: np.ndarray
+    position: np.ndarray
+    counts: np.ndarray
+
+    @classmethod
+    def of(cls, keys: KeyMap, blocks: BlockArrays, num_stores: int) -> Places:
+        """keys: a map built from lists (KeyMap.build keeps them)."""
+        tables, block_stores, block_starts = keys.lists
+        stores, starts = blocks.of(block_stores, block_starts)
+        size = keys.block_size
+        position = np.concatenate([np.arange(n) for n in keys.kv_len])
+        row = np.repeat(np.arange(len(tables)), keys.kv_len)
+        block = np.concatenate([np.asarray(t)[np.arange(n) // size] for t, n in zip(tables, keys.kv_len)])
+        store = stores[block]
+        return cls(store, starts[block] + position % size, row, position, np.bincount(store, minlength=num_stores))
 
 
 def write(k_stores: list[torch.Tensor], v_stores: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,

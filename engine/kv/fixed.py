@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.kv.attention import FLOAT_STORES, PLAIN, LayerAttention, attend_padded
+from engine.kv.attention import FLOAT_STORES, PLAIN, LayerAttention, Places, attend_padded
 from engine.kv.base import StepView
 
 BUCKET_TOKENS = 256  # keys per row are padded to a multiple of this: one shape (one graph) per 256 tokens
@@ -89,43 +89,6 @@ def float_layer_stores(view: StepView, num_layers: int) -> list[tuple[list[torch
     if not keys or keys[0].dtype not in FLOAT_STORES:
         return None
     return stores
-
-
-class BlockArrays:
-    """A block map's lists (a KeyMap's block stores and starts) as numpy arrays, converted once per map: a paged
-    pool hands every step the same lists until it changes."""
-
-    def __init__(self):
-        self.lists: tuple[list[int], list[int]] | None = None  # held: the identity check needs them alive
-        self.arrays: tuple[np.ndarray, np.ndarray] | None = None
-
-    def of(self, stores: list[int], starts: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        if self.lists is None or self.lists[0] is not stores or self.lists[1] is not starts:
-            self.lists, self.arrays = (stores, starts), (np.asarray(stores), np.asarray(starts))
-        return self.arrays
-
-
-@dataclass
-class Places:
-    """Where every key of a step lies, one entry per key, sequence after sequence in position order (host arrays):
-    its store and slot, its sequence's row and its position; and how many keys each store holds."""
-
-    store: np.ndarray
-    slot: np.ndarray
-    row: np.ndarray
-    position: np.ndarray
-    counts: np.ndarray
-
-    @classmethod
-    def of(cls, view: StepView, blocks: BlockArrays, num_stores: int) -> Places:
-        tables, block_stores, block_starts = view.keys.lists
-        stores, starts = blocks.of(block_stores, block_starts)
-        size = view.keys.block_size
-        position = np.concatenate([np.arange(n) for n in view.kv_len])
-        row = np.repeat(np.arange(len(tables)), view.kv_len)
-        block = np.concatenate([np.asarray(t)[np.arange(n) // size] for t, n in zip(tables, view.kv_len)])
-        store = stores[block]
-        return cls(store, starts[block] + position % size, row, position, np.bincount(store, minlength=num_stores))
 
 
 def shape_of(view: StepView, stores: list[tuple[list[torch.Tensor], list[torch.Tensor]]], places: Places) -> Shape:
