@@ -11,6 +11,7 @@ which is what a replay computes.
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -44,11 +45,12 @@ class DecodeGraphs:
         self.generation = model_module.plans_generation()
         self.blocks = BlockArrays()
         self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.refused: str | None = None  # why a capture failed: every step is eager from then on
 
     def step(self, view: StepView, new_tokens: list[list[int]]) -> torch.Tensor | None:
         """The logits [B, V] of a decode step through its Shape, or None where the step is not one (then the caller
         runs it eagerly)."""
-        if any(len(t) != 1 for t in new_tokens):
+        if self.refused or any(len(t) != 1 for t in new_tokens):
             return None
         stores = float_layer_stores(view, self.model.config.num_layers)
         if stores is None:
@@ -60,7 +62,8 @@ class DecodeGraphs:
         shape = shape_of(view, stores, places)
         entry = self.entry(shape, view.positions.device)
         entry.packed.copy_(torch.from_numpy(pack_places(view, tokens, shape, places)))
-        return self.run(entry, stores)[:len(tokens)]
+        logits = self.run(entry, stores)
+        return None if logits is None else logits[:len(tokens)]
 
     def entry(self, shape: Shape, device: torch.device) -> Entry:
         entry = self.entries.pop(shape, None)
@@ -73,13 +76,24 @@ class DecodeGraphs:
             self.entries.popitem(last=False)
         return entry
 
-    def run(self, entry: Entry, stores) -> torch.Tensor:
+    def run(self, entry: Entry, stores) -> torch.Tensor | None:
+        """[R, V] logits, or None where the device refused the capture (then this and every later step is eager:
+        the warm-up runs wrote only this step's own keys, which the eager step writes again)."""
         if not self.capture:
             return self.body(entry, stores)
         if entry.graph is None:
-            entry.graph, entry.logits = self.record(entry, stores)
+            try:
+                entry.graph, entry.logits = self.record(entry, stores)
+            except RuntimeError as error:
+                self.refuse(f"{type(error).__name__}: {error}")
+                return None
         entry.graph.replay()
         return entry.logits.clone()
+
+    def refuse(self, reason: str) -> None:
+        self.refused = reason
+        self.entries.clear()
+        print(f"kvscope: decode steps run without CUDA graphs ({reason[:300]})", file=sys.stderr)
 
     def body(self, entry: Entry, stores) -> torch.Tensor:
         """One step over the entry's buffers: [R, V] logits (the padding rows' are those of token 0 at 0)."""

@@ -119,6 +119,24 @@ def test_a_token_outside_the_vocabulary_is_refused_and_the_cache_keeps_what_it_h
         assert engine.cache.tokens_held(1) == 50
 
 
+def test_a_capture_the_device_refuses_leaves_every_step_eager(tiny_engine_factory, capfd):
+    """Where a capture fails (a CUDA device refusing an op), that step and the later ones run eagerly and give the
+    eager step's logits; the reason is said once. (The capture itself needs CUDA: here it is made to raise.)"""
+    eager, engine = tiny_engine_factory("paged"), with_fixed_steps(tiny_engine_factory("paged"))
+    graphs = engine.graphs
+    graphs.capture = True
+
+    def refused(entry, stores):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphs.record = refused
+    want, want_logits = greedy(eager, 1, PROMPT[:50], 4)
+    got, got_logits = greedy(engine, 1, PROMPT[:50], 4)
+    assert got == want and all(torch.equal(a, b) for a, b in zip(got_logits, want_logits))
+    assert "not permitted" in graphs.refused and not graphs.entries
+    assert capfd.readouterr().err.count("without CUDA graphs") == 1
+
+
 def test_new_weights_drop_the_graphs_that_name_the_old_ones(tiny_engine_factory):
     engine = with_fixed_steps(tiny_engine_factory("paged"))
     greedy(engine, 1, PROMPT[:50], 2)
