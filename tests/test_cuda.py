@@ -41,6 +41,7 @@ def test_decode_steps_are_captured_and_replay_their_bodys_bits(engines):
     captured, eager = engines
     assert captured.graphs is not None and captured.graphs.capture
     got, want = greedy(captured, [1], [PROMPT], 48), greedy(eager, [1], [PROMPT], 48)
+    assert captured.graphs.refused is None, captured.graphs.refused
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert captured.graphs.captures >= 2  # two key buckets
 

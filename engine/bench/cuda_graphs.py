@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "weights": engines["graphs"].weight_format, "kv": engines["graphs"].kv_precision,
-              "captures": engines["graphs"].graphs.captures, "rows": rows}
+              "captures": engines["graphs"].graphs.captures, "refused": engines["graphs"].graphs.refused, "rows": rows}
     (out / "cuda_graphs.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
     return 0
