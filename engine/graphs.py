@@ -18,9 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from engine import model as model_module
-from engine.kv.attention import BlockArrays, Places
 from engine.kv.base import StepView
-from engine.kv.fixed import FixedView, Shape, float_layer_stores, pack_places, shape_of
+from engine.kv.fixed import FixedView, Planner, Shape, float_layer_stores
 
 MAX_GRAPHS = 16  # graphs kept, the least recently used dropped first (they share one memory pool)
 WARMUP_RUNS = 2  # eager runs on a side stream before a capture (cuBLAS workspaces, the allocator's blocks)
@@ -43,7 +42,7 @@ class DecodeGraphs:
         self.entries: OrderedDict[Shape, Entry] = OrderedDict()
         self.captures = 0  # graphs captured (without capture: shapes built)
         self.generation = model_module.plans_generation()
-        self.blocks = BlockArrays()
+        self.planner = Planner()
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.refused: str | None = None  # why a capture failed: every step is eager from then on
 
@@ -58,10 +57,9 @@ class DecodeGraphs:
         tokens = [t[0] for t in new_tokens]
         check_ids(tokens, self.model.embed_tokens.table.out_features)
         self.forget_if_weights_changed()
-        places = Places.of(view.keys, self.blocks, len(stores[0][0]))
-        shape = shape_of(view, stores, places)
+        shape, packed = self.planner.plan(view, tokens, stores)
         entry = self.entry(shape, view.positions.device)
-        entry.packed.copy_(torch.from_numpy(pack_places(view, tokens, shape, places)))
+        entry.packed.copy_(torch.from_numpy(packed))
         logits = self.run(entry, stores)
         return None if logits is None else logits[:len(tokens)]
 

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine import kernels
 from engine.graphs import DecodeGraphs
-from engine.kv.fixed import BUCKET_TOKENS, bucket_keys, bucket_rows, spare_slot
+from engine.kv.fixed import BUCKET_TOKENS, Planner, bucket_keys, bucket_rows, spare_slot
 from engine.weights.formats import quantize_int4
 from engine.weights.linear import Int4Linear
 
@@ -68,6 +68,39 @@ def test_as_on_cuda_a_fixed_step_gives_the_eager_steps_tokens(tiny_engine_factor
         got, got_logits = greedy(fixed, 1, PROMPT, 32)
     assert got == want
     torch.testing.assert_close(torch.stack(got_logits), torch.stack(want_logits), atol=0.02, rtol=0.01)
+
+
+def test_a_step_planned_by_extending_the_last_gives_the_bits_of_one_planned_from_every_key(tiny_engine_factory):
+    """Across a bucket, a grown pool, a rollback, a fork whose shared last block is copied on its first write, and a
+    batch: extending the last step's indices (work by sequences) and planning from every key give the same logits."""
+    engines = [with_fixed_steps(tiny_engine_factory("paged")) for _ in range(2)]
+    engines[1].graphs.planner = Planner(incremental=False)
+    logits: list[list[torch.Tensor]] = [[], []]
+    for engine, out in zip(engines, logits):
+        engine.cache.prepare(1, PROMPT)
+        engine.step([1], [PROMPT])
+        for token in range(30):
+            out.append(engine.step([1], [[token + 7]]))
+        engine.cache.truncate(1, engine.cache.tokens_held(1) - 5)  # a speculative rollback
+        for token in range(4):
+            out.append(engine.step([1], [[token + 40]]))
+        engine.cache.fork(1, 2)
+        for token in range(3):  # its first write copies the shared last block: the same rows, another block
+            out.append(engine.step([1], [[token + 50]]))
+        for token in range(6):
+            out.append(engine.step([1, 2], [[token + 60], [token + 70]]))
+    assert all(torch.equal(a, b) for a, b in zip(*logits))
+    assert engines[0].graphs.planner.extended >= 30 and engines[1].graphs.planner.extended == 0
+
+
+def test_a_plan_extends_the_last_only_while_the_old_keys_stay_in_their_blocks(tiny_engine_factory):
+    engine = with_fixed_steps(tiny_engine_factory("paged"))
+    greedy(engine, 1, PROMPT[:50], 2)
+    planner = engine.graphs.planner
+    view = engine.cache.begin_step([1], [[5]])
+    assert planner.same_blocks(view, planner.last)
+    planner.last.tables[0][0] += 1  # as if the first block had been copied elsewhere
+    assert not planner.same_blocks(view, planner.last)
 
 
 def test_every_layout_gives_the_same_bits_through_fixed_steps(tiny_engine_factory):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.kv.attention import FLOAT_STORES, PLAIN, LayerAttention, Places, attend_padded
+from engine.kv.attention import FLOAT_STORES, PLAIN, BlockArrays, LayerAttention, Places, attend_padded
 from engine.kv.base import StepView
 
 BUCKET_TOKENS = 256  # keys per row are padded to a multiple of this: one shape (one graph) per 256 tokens
@@ -91,38 +91,125 @@ def float_layer_stores(view: StepView, num_layers: int) -> list[tuple[list[torch
     return stores
 
 
-def shape_of(view: StepView, stores: list[tuple[list[torch.Tensor], list[torch.Tensor]]], places: Places) -> Shape:
-    """The Shape of a decode step (one new token a sequence) over these stores."""
+def shape_of(view: StepView, stores: list[tuple[list[torch.Tensor], list[torch.Tensor]]], counts: np.ndarray) -> Shape:
+    """The Shape of a decode step (one new token a sequence) over these stores, `counts` keys held in each."""
     rows, keys = bucket_rows(len(view.seq_ids)), bucket_keys(max(view.kv_len))
     (k0, v0), (k1, v1) = stores[0], stores[-1]
     addresses = tuple((a.data_ptr(), b.data_ptr(), c.data_ptr(), d.data_ptr(), a.shape[1])
                       for a, b, c, d in zip(k0, v0, k1, v1))
-    return Shape(rows, keys, addresses, tuple(bucket_keys(max(int(n), 1)) for n in places.counts))
+    return Shape(rows, keys, addresses, tuple(bucket_keys(max(int(n), 1)) for n in counts))
+
+
+def new_keys(view: StepView) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's new key (its sequence's last): its store and slot."""
+    tables, stores, starts = view.keys.lists
+    size = view.keys.block_size
+    blocks = [t[(n - 1) // size] for t, n in zip(tables, view.kv_len)]
+    return (np.array([stores[b] for b in blocks]),
+            np.array([starts[b] + (n - 1) % size for b, n in zip(blocks, view.kv_len)]))
 
 
 def pack_places(view: StepView, tokens: list[int], shape: Shape, places: Places) -> np.ndarray:
-    """The step's indices in the Shape's packed layout: int64 [shape.size] (host)."""
-    b, r, s = len(tokens), shape.rows, shape.keys
+    """The step's indices in the Shape's packed layout, from every key's place: int64 [shape.size] (host)."""
+    s = shape.keys
     packed = np.zeros(shape.size, dtype=np.int64)
     part = shape.parts(packed)
-    part["ids"][:b], part["positions"][:b] = tokens, view.past
-    part["q_pos"][:] = -1
-    part["q_pos"][:b] = view.past
     order = np.argsort(places.store, kind="stable")  # keys grouped by store, in position order within each
     store = places.store[order]
     rank = np.arange(len(order)) - (np.cumsum(places.counts) - places.counts)[store]
     at = shape.read_offsets[store] + rank
-    part["read_dest"][:] = r * s  # padding: the spare row
+    part["read_dest"][:] = shape.rows * s  # padding: the spare row
     part["read_slot"][at] = places.slot[order]
     part["read_dest"][at] = places.row[order] * s + places.position[order]
     last = np.cumsum(view.kv_len) - 1  # each row's new key
-    new_store, new_slot = places.store[last], places.slot[last]
-    for i in range(shape.num_stores):
-        writes = np.flatnonzero(new_store == i)
-        n = len(writes)
-        part["write_slot"][i, :n], part["write_slot"][i, n:] = new_slot[writes], spare_slot(new_slot[writes])
-        part["write_src"][i, :n], part["write_new"][i, :n] = writes, 1
+    fill_step(part, view, tokens, shape, places.store[last], places.slot[last])
     return packed
+
+
+def fill_step(part: dict, view: StepView, tokens: list[int], shape: Shape, new_store: np.ndarray,
+              new_slot: np.ndarray) -> None:
+    """The parts a step rewrites whole: ids, positions, q_pos, and the writes of its new keys."""
+    b = len(tokens)
+    for name in ("ids", "positions", "write_src", "write_new"):
+        part[name][:] = 0
+    part["ids"][:b], part["positions"][:b] = tokens, view.past
+    part["q_pos"][:] = -1
+    part["q_pos"][:b] = view.past
+    slot, src, is_new = part["write_slot"], part["write_src"], part["write_new"]
+    slot[:] = 0  # padding writes slot 0 back, or another slot where the step writes slot 0 (below)
+    written = [[] for _ in range(shape.num_stores)]
+    for row, (store, new) in enumerate(zip(new_store.tolist(), new_slot.tolist())):
+        at = len(written[store])
+        slot[store, at], src[store, at], is_new[store, at] = new, row, 1
+        written[store].append(new)
+    for store, slots in enumerate(written):
+        if 0 in slots:
+            slot[store, len(slots):] = spare_slot(slots)
+
+
+@dataclass
+class Planned:
+    """The last step a Planner planned: what the next one must match to extend it."""
+
+    shape: Shape
+    packed: np.ndarray
+    counts: np.ndarray  # keys held in each store
+    seq_ids: list[int]
+    kv_len: list[int]
+    tables: list[list[int]]  # copies: a cache edits its tables in place
+    block_map: tuple[list[int], list[int]]
+
+
+class Planner:
+    """A step's Shape and packed indices. Where the last step's sequences each add one key and nothing else moved
+    (the same rows, the same blocks under their keys, the same block map and Shape), the last indices with the new
+    keys appended: work by sequences, not by keys. Otherwise planned from every key's place (Places)."""
+
+    def __init__(self, incremental: bool = True):
+        self.incremental = incremental
+        self.blocks = BlockArrays()
+        self.last: Planned | None = None
+        self.extended = 0  # steps planned by extending the last one
+
+    def plan(self, view: StepView, tokens: list[int], stores) -> tuple[Shape, np.ndarray]:
+        if self.incremental and (extended := self.extend(view, tokens, stores)) is not None:
+            return extended
+        places = Places.of(view.keys, self.blocks, len(stores[0][0]))
+        shape = shape_of(view, stores, places.counts)
+        packed = pack_places(view, tokens, shape, places)
+        tables = [list(t) for t in view.keys.lists[0]]
+        self.last = Planned(shape, packed, places.counts, list(view.seq_ids), list(view.kv_len), tables,
+                            view.keys.lists[1:])
+        return shape, packed
+
+    def extend(self, view: StepView, tokens: list[int], stores) -> tuple[Shape, np.ndarray] | None:
+        last, (tables, *block_map) = self.last, view.keys.lists
+        if last is None or view.seq_ids != last.seq_ids or any(a is not b for a, b in zip(block_map, last.block_map)) \
+                or any(n != m + 1 for n, m in zip(view.kv_len, last.kv_len)) or not self.same_blocks(view, last):
+            return None
+        new_store, new_slot = new_keys(view)
+        counts = last.counts + np.bincount(new_store, minlength=len(last.counts))
+        shape = shape_of(view, stores, counts)
+        if shape != last.shape:
+            return None
+        part = shape.parts(last.packed)
+        held = last.counts.copy()
+        for row, (store, slot) in enumerate(zip(new_store, new_slot)):  # appended after the store's keys
+            at = shape.read_offsets[store] + held[store]
+            part["read_slot"][at], part["read_dest"][at] = slot, row * shape.keys + view.kv_len[row] - 1
+            held[store] += 1
+        fill_step(part, view, tokens, shape, new_store, new_slot)
+        last.counts, last.kv_len = counts, list(view.kv_len)
+        last.tables = [list(t) for t in tables]
+        self.extended += 1
+        return shape, last.packed
+
+    @staticmethod
+    def same_blocks(view: StepView, last: Planned) -> bool:
+        """Whether every sequence's old keys still lie in the blocks they lay in (no copy-on-write, no new table)."""
+        size = view.keys.block_size
+        return all(t[:-(-m // size)] == old[:-(-m // size)]
+                   for t, old, m in zip(view.keys.lists[0], last.tables, last.kv_len))
 
 
 def spare_slot(written) -> int:
