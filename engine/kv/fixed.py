@@ -7,7 +7,8 @@ each key is read from and where it goes, where each new key is written) are inde
 padded so that the padding does nothing (a padded read copies a store's slot 0 into a spare row past the keys;
 a padded write puts a slot's own value back), packed into one int64 buffer that the step's body reads. The
 body's ops, shapes and addresses are then a function of the Shape alone: the same kernels with the same
-arguments at every replay.
+arguments at every replay. A `Planner` makes the indices on the host: from every key's place, or, where a step only
+adds one key a sequence to the last one's, by appending those keys (work by sequences, not by context).
 
 Keys are gathered in position order into [R, Hkv, S, D] and attended with the pure PyTorch path's masked softmax
 (attention.attend_padded), so every layout hands the body the same tensor and gives the same bits.
