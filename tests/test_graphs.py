@@ -7,14 +7,18 @@ the same ops with the same shapes whatever the values, for every step of a shape
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine import kernels
+from engine.config import EngineConfig
+from engine.engine import Engine
 from engine.graphs import DecodeGraphs
 from engine.kv.fixed import BUCKET_TOKENS, Planner, bucket_keys, bucket_rows, spare_slot
+from engine.model import LlamaModel
 from engine.weights.formats import quantize_int4
 from engine.weights.linear import Int4Linear
 
@@ -139,6 +143,18 @@ def test_steps_a_fixed_shape_cannot_take_run_eagerly(tiny_engine_factory):
     assert engine.graphs.captures == 0
     engine.step([1], [[5]])
     assert engine.graphs.captures == 1
+
+
+def test_a_model_with_sliding_window_layers_steps_eagerly(tiny_config, tokenizer):
+    """Its windows live in per-sequence rings that the fixed step does not read: every step is eager, and right."""
+    config = dataclasses.replace(tiny_config, sliding_window=32, sliding_layers=(True, False))
+    engines = [Engine(LlamaModel.random(config, seed=0, std=0.1), tokenizer, EngineConfig(cache="paged"))
+               for _ in range(2)]
+    with_fixed_steps(engines[1])
+    assert engines[1].cache.windows is not None
+    (want, want_logits), (got, got_logits) = (greedy(e, 1, PROMPT[:80], 6) for e in engines)
+    assert got == want and all(torch.equal(a, b) for a, b in zip(got_logits, want_logits))
+    assert engines[1].graphs.captures == 0
 
 
 def test_a_token_outside_the_vocabulary_is_refused_and_the_cache_keeps_what_it_held(tiny_engine_factory):
