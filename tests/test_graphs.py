@@ -74,10 +74,12 @@ def test_as_on_cuda_a_fixed_step_gives_the_eager_steps_tokens(tiny_engine_factor
     torch.testing.assert_close(torch.stack(got_logits), torch.stack(want_logits), atol=0.02, rtol=0.01)
 
 
-def test_a_step_planned_by_extending_the_last_gives_the_bits_of_one_planned_from_every_key(tiny_engine_factory):
-    """Across a bucket, a grown pool, a rollback, a fork whose shared last block is copied on its first write, and a
-    batch: extending the last step's indices (work by sequences) and planning from every key give the same logits."""
-    engines = [with_fixed_steps(tiny_engine_factory("paged")) for _ in range(2)]
+@pytest.mark.parametrize("cache", ["paged", "contiguous"])
+def test_a_step_planned_by_extending_the_last_gives_the_bits_of_one_planned_from_every_key(tiny_engine_factory,
+                                                                                          cache):
+    """Across a bucket, a grown pool, a rollback, a fork and a batch: extending the last step's indices (work by
+    sequences) and planning from every key give the same logits."""
+    engines = [with_fixed_steps(tiny_engine_factory(cache)) for _ in range(2)]
     engines[1].graphs.planner = Planner(incremental=False)
     logits: list[list[torch.Tensor]] = [[], []]
     for engine, out in zip(engines, logits):
@@ -89,7 +91,7 @@ def test_a_step_planned_by_extending_the_last_gives_the_bits_of_one_planned_from
         for token in range(4):
             out.append(engine.step([1], [[token + 40]]))
         engine.cache.fork(1, 2)
-        for token in range(3):  # its first write copies the shared last block: the same rows, another block
+        for token in range(3):
             out.append(engine.step([1], [[token + 50]]))
         for token in range(6):
             out.append(engine.step([1, 2], [[token + 60], [token + 70]]))

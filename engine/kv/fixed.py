@@ -158,7 +158,7 @@ class Planned:
     seq_ids: list[int]
     kv_len: list[int]
     tables: list[list[int]]  # copies: a cache edits its tables in place
-    block_map: tuple[list[int], list[int]]
+    block_map: tuple[list[int], list[int]]  # a paged pool's own lists (the same objects while it is unchanged)
 
 
 class Planner:
@@ -184,9 +184,8 @@ class Planner:
         return shape, packed
 
     def extend(self, view: StepView, tokens: list[int], stores) -> tuple[Shape, np.ndarray] | None:
-        last, (tables, *block_map) = self.last, view.keys.lists
-        if last is None or view.seq_ids != last.seq_ids or any(a is not b for a, b in zip(block_map, last.block_map)) \
-                or any(n != m + 1 for n, m in zip(view.kv_len, last.kv_len)) or not self.same_blocks(view, last):
+        last = self.last
+        if last is None or not self.continues(view, last):
             return None
         new_store, new_slot = new_keys(view)
         counts = last.counts + np.bincount(new_store, minlength=len(last.counts))
@@ -201,9 +200,15 @@ class Planner:
             held[store] += 1
         fill_step(part, view, tokens, shape, new_store, new_slot)
         last.counts, last.kv_len = counts, list(view.kv_len)
-        last.tables = [list(t) for t in tables]
+        last.tables = [list(t) for t in view.keys.lists[0]]
         self.extended += 1
         return shape, last.packed
+
+    def continues(self, view: StepView, last: Planned) -> bool:
+        """Whether the step adds one key to each of the last step's sequences, and nothing else moved."""
+        block_map = view.keys.lists[1:]
+        return (view.seq_ids == last.seq_ids and all(a is b or a == b for a, b in zip(block_map, last.block_map))
+                and all(n == m + 1 for n, m in zip(view.kv_len, last.kv_len)) and self.same_blocks(view, last))
 
     @staticmethod
     def same_blocks(view: StepView, last: Planned) -> bool:
