@@ -26,6 +26,12 @@ def add_kv_dtype_option(p: argparse.ArgumentParser) -> None:
                         "fastest measured here, each within the quality bound)")
 
 
+def add_cuda_graphs_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cuda-graphs", choices=("on", "off"), default=None,
+                   help="on a CUDA device, replay decode steps as CUDA graphs, one per shape bucket (default: on; "
+                        "off: every step launches its kernels one by one); no effect on a CPU")
+
+
 def add_kv_budget_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-budget", type=float, metavar="MiB", default=None,
                    help="the most a paged KV pool grows to, in MiB (default: one context's worth); the pool starts "
@@ -67,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="chat in the terminal with the same engine")
     add_model_options(chat)
     add_kv_dtype_option(chat)
+    add_cuda_graphs_option(chat)
     chat.add_argument("--system", help="system prompt")
     chat.add_argument("--max-new-tokens", type=int, default=512)
     chat.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (deterministic)")
@@ -111,6 +118,7 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--weights", choices=WEIGHT_FORMATS, default=None,
                        help="weight format (default auto: the fastest single-token decode measured on this machine)")
     add_kv_dtype_option(serve)
+    add_cuda_graphs_option(serve)
     add_threads_option(serve)
     serve.add_argument("--max-concurrency", type=int, default=16, help="requests in the running batch at most")
     serve.add_argument("--prefill-rows-while-decoding", type=int, default=None, metavar="N",

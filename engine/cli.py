@@ -76,7 +76,8 @@ def run_chat(args, engine=None) -> int:
                               weights=getattr(args, "weights", None) or "auto",
                               prefix_reuse=getattr(args, "prefix_reuse", None) != "off",
                               kv_budget_mib=getattr(args, "kv_budget", None),
-                              kv_dtype=getattr(args, "kv_dtype", None))
+                              kv_dtype=getattr(args, "kv_dtype", None),
+                              cuda_graphs=getattr(args, "cuda_graphs", None) != "off")
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 repetition_penalty=args.repetition_penalty,
                                 max_new_tokens=args.max_new_tokens, seed=args.seed,

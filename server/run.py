@@ -65,7 +65,8 @@ def run_serve(args) -> int:
     try:
         weights = {"weights": args.weights} if getattr(args, "weights", None) else {}  # default: the engine's auto
         config = EngineConfig(cache=args.cache, block_size=args.block_size or 16, pool_tokens=args.pool_tokens,
-                              kv_dtype=getattr(args, "kv_dtype", None), **weights)
+                              kv_dtype=getattr(args, "kv_dtype", None),
+                              cuda_graphs=getattr(args, "cuda_graphs", None) != "off", **weights)
         batching = SchedulerConfig(max_concurrency=args.max_concurrency,
                                    **({} if rows is None else {"prefill_rows_while_decoding": rows}))
         engine = Engine.load(args.model, config)

@@ -162,6 +162,15 @@ def test_every_command_takes_a_kv_precision(command):
     assert main.build_parser().parse_args([command]).kv_dtype is None
 
 
+@pytest.mark.parametrize("command", ["chat", "serve"])
+def test_the_engine_commands_take_cuda_graphs_on_or_off(command, capsys):
+    assert main.build_parser().parse_args([command, "--cuda-graphs", "off"]).cuda_graphs == "off"
+    assert main.build_parser().parse_args([command]).cuda_graphs is None
+    with pytest.raises(SystemExit):
+        main.build_parser().parse_args([command, "--cuda-graphs", "maybe"])
+    assert "invalid choice: 'maybe'" in capsys.readouterr().err
+
+
 @pytest.mark.default_model
 @pytest.mark.parametrize("argv, advice", [
     (["chat", "--cache", "paged-int8", "--kv-dtype", "int4"], "--cache paged --kv-dtype int4"),
