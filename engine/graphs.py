@@ -20,6 +20,7 @@ import torch
 from engine import model as model_module
 from engine.kv.base import StepView
 from engine.kv.fixed import FixedView, Planner, Shape, float_layer_stores
+from engine.weights.linear import row_outside
 
 MAX_GRAPHS = 16  # graphs kept, the least recently used dropped first (they share one memory pool)
 WARMUP_RUNS = 2  # eager runs on a side stream before a capture (cuBLAS workspaces, the allocator's blocks)
@@ -127,4 +128,4 @@ def check_ids(tokens: list[int], vocab: int) -> None:
     """The check the embedding makes in an eager step, made on the host (a graph cannot read ids back)."""
     for token in tokens:
         if not 0 <= token < vocab:
-            raise IndexError(f"embedding row {token} is outside the table's {vocab} rows")
+            raise row_outside(token, vocab)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from engine.bench.common import median, random_ids, timed_ms
+from engine.bench.common import median, prefill, random_ids, timed_ms
 from engine.config import EngineConfig
 from engine.engine import Engine
 
@@ -23,12 +23,11 @@ BATCHES = (1, 8)
 TURN, ROUNDS = 8, 4
 
 
-def prefill(engine: Engine, seq_ids: list[int], ids: list[int], context: int) -> None:
+def prefill_all(engine: Engine, seq_ids: list[int], ids: list[int], context: int) -> None:
     for seq_id in seq_ids:
         engine.cache.release(seq_id)
         engine.cache.prepare(seq_id, ids[:context])
-        for start in range(0, context, 1024):
-            engine.step([seq_id], [ids[start:min(start + 1024, context)]])
+        prefill(engine, seq_id, ids[:context])
 
 
 def steps_ms(engine: Engine, seq_ids: list[int], token: int) -> list[float]:
@@ -40,7 +39,7 @@ def measure(engines: dict[str, Engine], context: int, batch: int, ids: list[int]
     """Median ms per step of each engine, alternating TURN steps at a time (the first turn warms up: captures)."""
     seq_ids = list(range(batch))
     for engine in engines.values():
-        prefill(engine, seq_ids, ids, context)
+        prefill_all(engine, seq_ids, ids, context)
         steps_ms(engine, seq_ids, 7)
     samples = {name: [] for name in engines}
     for _ in range(ROUNDS):

@@ -398,7 +398,11 @@ def check_rows(flat: torch.Tensor, num_rows: int) -> None:
     silently pick a row from the end)."""
     outside = flat[(flat < 0) | (flat >= num_rows)]
     if outside.numel():
-        raise IndexError(f"embedding row {int(outside[0])} is outside the table's {num_rows} rows")
+        raise row_outside(int(outside[0]), num_rows)
+
+
+def row_outside(row: int, num_rows: int) -> IndexError:
+    return IndexError(f"embedding row {row} is outside the table's {num_rows} rows")
 
 
 def rows16_parts(codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor):
