@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.config import SamplingParams
 from engine.events import DoneEvent, Event, StepEvent, TrimEvent
@@ -182,3 +183,21 @@ def memoized_contiguous_replies(engine):
         return replies[key]
 
     return get
+
+
+class OpRecorder(TorchDispatchMode):
+    """Every op the dispatcher runs: ops, each as its name ("aten.mm", "kvscope.decoder_layer") and its tensor
+    arguments' shapes and dtypes; names, the names alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[tuple[str, tuple]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        self.ops.append((str(func.overloadpacket), tuple((tuple(t.shape), t.dtype) for t in tensors)))
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _ in self.ops]

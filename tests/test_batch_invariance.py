@@ -13,7 +13,6 @@ import dataclasses
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine import kernels
 from engine.config import BLOCK_SIZES, EngineConfig
@@ -22,7 +21,7 @@ from engine.model import LlamaModel, op_by_op
 from engine.weights.convert import to_format
 from engine.weights.formats import QuantizedWeight, quantize_int4, quantize_int8
 from engine.weights.linear import build_linear
-from tests.engine_helpers import one_torch_thread, torch_threads
+from tests.engine_helpers import OpRecorder, one_torch_thread, torch_threads
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the compiled kernels could not be built here")
 
@@ -190,23 +189,13 @@ def test_the_pure_pytorch_path_and_the_kernels_agree_closely(tiny_config, tokeni
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-class OpCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
-
 def ops_in_a_decode_step(tiny_config, tokenizer, cache: str, num_layers: int) -> list[str]:
     config = dataclasses.replace(tiny_config, num_layers=num_layers)
     engine = Engine(LlamaModel.random(config, seed=0, std=0.1), tokenizer, EngineConfig(cache=cache, weights="int4"))
     decode(engine, 1, PROMPT, 2)
-    with OpCounter() as counter:
+    with OpRecorder() as recorder:
         engine.step([1], [[5]])
-    return counter.ops
+    return recorder.names
 
 
 def ops_per_layer(tiny_config, tokenizer, cache: str) -> tuple[int, collections.Counter]:
@@ -275,9 +264,9 @@ def test_global_layers_beside_sliding_ones_run_as_one_call_with_the_bits_of_op_b
         kv = {"kv_dtype": precision} if precision else {}
         return batch_and_verify(Engine(model, tokenizer, EngineConfig(weights="int4", cache=layout, **kv)))
 
-    with OpCounter() as counter:
+    with OpRecorder() as recorder:
         one_call = run()
-    assert counter.ops.count("kvscope.decoder_layer") > 0
+    assert recorder.names.count("kvscope.decoder_layer") > 0
     with op_by_op():
         assert same_bits(one_call, run())
 

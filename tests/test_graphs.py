@@ -11,7 +11,6 @@ import dataclasses
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine import kernels
 from engine.config import EngineConfig
@@ -21,6 +20,7 @@ from engine.kv.fixed import BUCKET_TOKENS, Planner, bucket_keys, bucket_rows, sp
 from engine.model import LlamaModel
 from engine.weights.formats import quantize_int4
 from engine.weights.linear import Int4Linear
+from tests.engine_helpers import OpRecorder
 
 PROMPT = [(7 * i + 3) % 900 + 100 for i in range(BUCKET_TOKENS - 20)]  # crosses a bucket 20 steps in
 
@@ -198,27 +198,16 @@ def test_new_weights_drop_the_graphs_that_name_the_old_ones(tiny_engine_factory)
     assert graphs.captures == 2 and len(graphs.entries) == 1
 
 
-FORBIDDEN = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "unique_consecutive",
-             "unique_dim", "lift_fresh", "lift_fresh_copy", "equal", "is_nonzero", "repeat_interleave"}
-
-
-class OpRecorder(TorchDispatchMode):
-    """Every op the dispatcher runs, with its tensor arguments' shapes and dtypes."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: list[tuple] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-        self.ops.append((func.overloadpacket.__name__, tuple((tuple(t.shape), t.dtype) for t in tensors)))
-        return func(*args, **(kwargs or {}))
+FORBIDDEN = {f"aten.{name}" for name in ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2",
+                                         "unique_consecutive", "unique_dim", "lift_fresh", "lift_fresh_copy", "equal",
+                                         "is_nonzero", "repeat_interleave")}
+MASK_INDEXING = {"aten.index", "aten.index_put", "aten.index_put_"}
 
 
 def host_reads(ops: list[tuple]) -> list[tuple]:
     """Ops a CUDA graph's capture refuses: values read back to the host, shapes that depend on values, tensors made
     from Python data, and indexing by a mask."""
-    return [op for op in ops if op[0] in FORBIDDEN or op[0] in ("index", "index_put", "index_put_")
+    return [op for op in ops if op[0] in FORBIDDEN or op[0] in MASK_INDEXING
             and any(dtype == torch.bool for _, dtype in op[1][1:])]
 
 
