@@ -346,6 +346,22 @@ inline void prefetch_span(const void* from, const void* to, int hint) {
 #endif
 }
 
+// out[i] = first + i * stride for i < n (a run of rows' addresses), eight a store where AVX-512 is built
+template <typename T>
+inline void fill_addresses(const T* first, int64_t stride, int64_t n, const T** out) {
+#ifdef __AVX512F__
+  const int64_t bytes = stride * static_cast<int64_t>(sizeof(T)), start = reinterpret_cast<int64_t>(first);
+  __m512i at = _mm512_setr_epi64(start, start + bytes, start + 2 * bytes, start + 3 * bytes, start + 4 * bytes,
+                                 start + 5 * bytes, start + 6 * bytes, start + 7 * bytes);
+  const __m512i step = _mm512_set1_epi64(8 * bytes);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8, at = _mm512_add_epi64(at, step)) _mm512_storeu_si512(out + i, at);
+  if (i < n) _mm512_mask_storeu_epi64(out + i, static_cast<__mmask8>((1u << (n - i)) - 1), at);
+#else
+  for (int64_t i = 0; i < n; ++i) out[i] = first + i * stride;
+#endif
+}
+
 // the float16 scales and minimums of weight row `row`, a few rows ahead of the one being read (their streams
 // are separate from the codes')
 constexpr int64_t PARAMS_AHEAD = 16;
@@ -1940,8 +1956,8 @@ template <int BITS> using WindowRow = std::conditional_t<BITS == 4, c10::Half, f
 // guard): ~5-8% of the int4 attention over 4,096 tokens in the processor's caches.
 template <int BITS>
 struct QuantScratch {
-  std::vector<const uint8_t*> k_code, v_code;  // a tile's rows of codes, and its scales (QuantStores)
-  std::vector<const uint16_t*> k_prm, v_prm;
+  std::vector<const uint8_t*> k_code, v_code;  // a tile's key blocks and value rows of codes, and their scales
+  std::vector<const uint16_t*> k_prm, v_prm;   // (QuantStores)
   std::vector<float> scores;  // attend_tile
   std::vector<const WindowRow<BITS>*> window_k, window_v;
   std::vector<int64_t> last;
@@ -1995,14 +2011,28 @@ struct QuantRows {
   int64_t first = 0, full = 0, ring = 1;  // ring: the window's rows (position p in row p % ring)
   int64_t sink = 0;                     // positions below it are read from the sink rows
   const WindowRow<BITS>* sink_rows = nullptr;  // [sink, D]
-  const uint8_t* const* code = nullptr;    // per quantized position from `first`: its codes
-  const uint16_t* const* param = nullptr;  // keys: the block's [D] scales (int4: then [D] minimums); values: the
-                                           // token's scale (int4: then its minimum)
-  int64_t known = 0;  // code and param cover [first, known): the tile's codes and the next ones, to prefetch
+  // values, per quantized position from `first`: its codes, and its scale (int4: then its minimum)
+  const uint8_t* const* code = nullptr;
+  const uint16_t* const* param = nullptr;
+  // keys, per block from first_block: where its first position's codes start (its rows follow, row_bytes apart),
+  // and its [D] scales (int4: then [D] minimums). Per block, where a table per position was: the four tables of a
+  // 320-position tile were written to memory that had left the L1 since the last task (~1,300 of ~10,000 cycles
+  // of an int4 task at 4,096 tokens, rdtsc around them, Xeon)
+  const uint8_t* const* block_code = nullptr;
+  const uint16_t* const* block_param = nullptr;
+  int64_t first_block = 0, row_bytes = 0;
+  int64_t known = 0;  // these cover [first, known): the tile's codes and the next ones, to prefetch
   int64_t end = 0;    // the sequence's length: the window holds [full, end)
   int64_t block_size = 1;  // positions [k bs, (k + 1) bs) share a block's key scales and adjacent rows
+  int block_shift = -1;    // log2(block_size) where it is a power of two (StepMap::blocks)
   bool tiled = false;      // codes in tiles (kv_tiled); code[p] is where row p would start all the same
-  int64_t block_end(int64_t p, int64_t limit) const { return std::min(limit, (p / block_size + 1) * block_size); }
+  int64_t block_of(int64_t p) const { return block_shift >= 0 ? p >> block_shift : p / block_size; }
+  int64_t block_end(int64_t p, int64_t limit) const { return std::min(limit, (block_of(p) + 1) * block_size); }
+  const uint8_t* key_row(int64_t p) const {  // where position p's key codes start
+    int64_t blk = block_of(p);
+    return block_code[blk - first_block] + (p - blk * block_size) * row_bytes;
+  }
+  const uint16_t* key_param(int64_t p) const { return block_param[block_of(p) - first_block]; }
   const WindowRow<BITS>* window = nullptr;     // [ring, D] rows
   QuantScratch<BITS>* scratch = nullptr;  // the task's thread's buffers
 };
@@ -2923,6 +2953,7 @@ void weigh_codes(const float* const* w, const uint8_t* const* rows, int64_t n, i
 constexpr int64_t PREFETCH_AHEAD = 64;
 
 inline int64_t key_param_bytes(int bits, int64_t d) { return bits == 8 ? 2 * d : 2 * d + 4; }
+constexpr int64_t MAX_QUANT_BLOCK = 256;  // tokens a quantized block holds at most (a block's rows on the stack)
 
 
 // the codes and scales of positions [a, b), a block (one set of key scales, adjacent rows of `bytes`) at a time
@@ -2935,10 +2966,10 @@ inline void prefetch_codes(const QuantRows<BITS>& keys, const QuantRows<BITS>& v
   };
   b = std::min(b, keys.known);
   for (int64_t s = a, e = a; s < b; s = e) {
-    const uint16_t* prm = keys.param[s - keys.first];
+    const uint16_t* prm = keys.key_param(s);
     e = keys.block_end(s, b);
     int64_t n = e - s;
-    fetch(keys.code[s - keys.first], keys.code[s - keys.first] + n * bytes);
+    fetch(keys.key_row(s), keys.key_row(s) + n * bytes);
     fetch(prm, reinterpret_cast<const char*>(prm) + key_param_bytes(BITS, d));
     if (!values_fetch_own(BITS, d)) fetch(values.code[s - values.first], values.code[s - values.first] + n * bytes);
     fetch(values.param[s - values.first], values.param[e - 1 - values.first] + 1);
@@ -3058,8 +3089,9 @@ void score_quantized(const float* q, const QuantRows<BITS>& keys, const QuantRow
   LaterRows later = later_rows(keys, k0, qstart);
   Prefetches ahead;  // the lines of the positions PREFETCH_AHEAD on, issued while a block is scored (on the stack:
                      // a thread_local's address is a call into the loader, which the compiler repeats in loops)
+  const uint8_t* rows[MAX_QUANT_BLOCK];
   for (int64_t s = qstart, e = qstart; s < qend; s = e) {
-    const uint16_t* prm = keys.param[s - keys.first];
+    const uint16_t* prm = keys.key_param(s);
     e = keys.block_end(s, qend);
     later.fetch(keys, values, d, (e - qstart) * later.count() / (qend - qstart));
     if (s == qstart) prefetch_codes(keys, values, s, s + PREFETCH_AHEAD, d * BITS / 8, d);
@@ -3068,7 +3100,8 @@ void score_quantized(const float* q, const QuantRows<BITS>& keys, const QuantRow
       prefetch_codes(keys, values, s + PREFETCH_AHEAD, e + PREFETCH_AHEAD, d * BITS / 8, d, &ahead);
     else
       prefetch_codes(keys, values, s + PREFETCH_AHEAD, e + PREFETCH_AHEAD, d * BITS / 8, d);
-    const uint8_t* const* code = keys.code + (s - keys.first);
+    fill_addresses(keys.key_row(s), keys.row_bytes, e - s, rows);  // the block's rows, where the scorers read them
+    const uint8_t* const* code = rows;
     if constexpr (INTEGER)
       score_int_block<BITS>(q, code, prm, last, nq, d, s, e, k0, scores, padded, &ahead, scratch, keys.tiled);
     else ahead.issue(ahead.left()), score_block_floats<BITS>(q, code, prm, last, nq, d, s, e, k0, scores, padded, scratch);
@@ -3261,6 +3294,9 @@ inline void combine_tiles(const float* parts, int64_t tiles, int64_t tile_stride
 struct StepMap {  // where a step's keys are: see `attention` below
   const int32_t *table, *block_store, *block_start, *q_pos;
   int64_t width, block_size, t;
+  int block_shift = -1;  // log2(block_size) where it is a power of two
+  // x / block_size (x >= 0), by a shift where it can be: a division per block was ~10% of a quantized tile's set-up
+  int64_t blocks(int64_t x) const { return block_shift >= 0 ? x >> block_shift : x / block_size; }
   int64_t kv_len(int64_t b) const {
     int64_t last = -1;
     for (int64_t r = 0; r < t; ++r) last = std::max<int64_t>(last, q_pos[b * t + r]);
@@ -3269,10 +3305,22 @@ struct StepMap {  // where a step's keys are: see `attention` below
   // calls visit(p0, p1, store, slot of p0) for the runs [p0, p1) of positions k0..k1-1 of sequence b, one a block
   template <typename Visit>
   void each_block(int64_t b, int64_t k0, int64_t k1, Visit visit) const {
-    for (int64_t p0 = k0 / block_size * block_size; p0 < k1; p0 += block_size) {
-      int64_t blk = table[b * width + p0 / block_size], first = std::max(p0, k0);
+    for (int64_t p0 = blocks(k0) * block_size, i = blocks(k0); p0 < k1; p0 += block_size, ++i) {
+      int64_t blk = table[b * width + i], first = std::max(p0, k0);
       visit(first, std::min(k1, p0 + block_size), block_store[blk], block_start[blk] + first - p0);
     }
+  }
+  // as each_block, one visit for each run of blocks that sit one after another in one store (a pool's blocks
+  // mostly do: a tile of 256 keys is then one run, where it was 16 visits of blocks of 16)
+  template <typename Visit>
+  void each_run(int64_t b, int64_t k0, int64_t k1, Visit visit) const {
+    int64_t r0 = k0, r1 = k0, store = -1, slot = 0;  // the run [r0, r1) so far, from `slot` of `store`
+    each_block(b, k0, k1, [&](int64_t p0, int64_t p1, int64_t st, int64_t sl) {
+      if (st == store && sl == slot + (p0 - r0)) return void(r1 = p1);
+      if (r1 > r0) visit(r0, r1, store, slot);
+      r0 = p0, r1 = p1, store = st, slot = sl;
+    });
+    if (r1 > r0) visit(r0, r1, store, slot);
   }
 };
 
@@ -3300,8 +3348,11 @@ StepMap step_map(const at::Tensor& table, const at::Tensor& block_store, const a
                   block_start.scalar_type() == at::kInt && q_pos.scalar_type() == at::kInt &&
                   table.is_contiguous() && q_pos.is_contiguous(),
               "tables are contiguous int32");
+  TORCH_CHECK(block_size > 0, "block_size must be positive");
+  bool pow2 = (block_size & (block_size - 1)) == 0;
   return {table.data_ptr<int32_t>(), block_store.data_ptr<int32_t>(), block_start.data_ptr<int32_t>(),
-          q_pos.data_ptr<int32_t>(), table.size(1), block_size, q_pos.size(1)};
+          q_pos.data_ptr<int32_t>(), table.size(1), block_size, q_pos.size(1),
+          pow2 ? __builtin_ctzll(static_cast<uint64_t>(block_size)) : -1};
 }
 
 // the thread's buffer for a task's query vectors, scaled
@@ -3387,10 +3438,9 @@ struct FloatStores {
     k_at.resize(k1 - k0), v_at.resize(k1 - k0);
     const T** kat = k_at.data();  // (a thread_local's address is a call: looked up once)
     const T** vat = v_at.data();
-    map.each_block(b, k0, k1, [&](int64_t p0, int64_t p1, int64_t store, int64_t slot) {
-      const T *kr = k.at(store, h, slot), *vr = v.at(store, h, slot);
-      int64_t ks = k.slot_stride[store], vs = v.slot_stride[store];
-      for (int64_t p = p0; p < p1; ++p, kr += ks, vr += vs) kat[p - k0] = kr, vat[p - k0] = vr;
+    map.each_run(b, k0, k1, [&](int64_t p0, int64_t p1, int64_t store, int64_t slot) {
+      fill_addresses(k.at(store, h, slot), k.slot_stride[store], p1 - p0, kat + (p0 - k0));
+      fill_addresses(v.at(store, h, slot), v.slot_stride[store], p1 - p0, vat + (p0 - k0));
     });
     return {StoreRows<T>{k0, kat}, StoreRows<T>{k0, vat}};
   }
@@ -3528,6 +3578,7 @@ struct QuantStores {
     keys.full = values.full = full;
     keys.end = values.end = end;
     keys.block_size = values.block_size = bs;
+    keys.block_shift = values.block_shift = map.block_shift;
     keys.tiled = values.tiled = tiled;
     keys.ring = values.ring = ring;
     keys.sink = values.sink = sink;
@@ -3538,22 +3589,27 @@ struct QuantStores {
     keys.first = values.first = k0;
     int64_t quantized = std::max<int64_t>(0, std::min(k1, full) - k0);  // (positions below the sink unread)
     int64_t known = std::max<int64_t>(0, std::min(k1 + PREFETCH_AHEAD, full) - k0);  // and the next ones
-    k_code.resize(known), v_code.resize(known), k_prm.resize(known), v_prm.resize(known);
-    keys.known = values.known = k0 + known;
-    keys.code = k_code.data(), values.code = v_code.data(), keys.param = k_prm.data(), values.param = v_prm.data();
+    int64_t from = std::max(k0, std::min(sink, k0 + quantized)), to = k0 + known;
+    int64_t first_block = map.blocks(from), blocks = from < to ? map.blocks(to - 1) + 1 - first_block : 0;
+    v_code.resize(known), v_prm.resize(known), k_code.resize(blocks), k_prm.resize(blocks);
+    keys.known = values.known = to;
+    values.code = v_code.data(), values.param = v_prm.data();
+    keys.block_code = k_code.data(), keys.block_param = k_prm.data();
+    keys.first_block = first_block, keys.row_bytes = k.slot_stride.empty() ? 0 : k.slot_stride[0];
     // filled through plain pointers (the tables are the scratch's vectors)
-    auto kcode = const_cast<const uint8_t**>(keys.code), vcode = const_cast<const uint8_t**>(values.code);
-    auto kprm = const_cast<const uint16_t**>(keys.param), vprm = const_cast<const uint16_t**>(values.param);
-    map.each_block(b, std::max(k0, std::min(sink, k0 + quantized)), k0 + known,
-                   [&](int64_t p0, int64_t p1, int64_t store, int64_t slot) {
-      const uint8_t *kc = k.at(store, h, slot), *vc = v.at(store, h, slot);
-      auto kp = reinterpret_cast<const uint16_t*>(k_param.at(store, h, slot / bs));
-      auto vp = reinterpret_cast<const uint16_t*>(v_param.at(store, h, slot));
-      int64_t ks = k.slot_stride[store], vs = v.slot_stride[store], ps = v_param.slot_stride[store];
-      for (int64_t p = p0; p < p1; ++p) {
-        kcode[p - k0] = kc + (p - p0) * ks, vcode[p - k0] = vc + (p - p0) * vs;
-        kprm[p - k0] = kp, vprm[p - k0] = vp + (p - p0) * ps;
-      }
+    auto vcode = const_cast<const uint8_t**>(values.code);
+    auto vprm = const_cast<const uint16_t**>(values.param);
+    auto kcode = const_cast<const uint8_t**>(keys.block_code);
+    auto kprm = const_cast<const uint16_t**>(keys.block_param);
+    map.each_block(b, from, to, [&](int64_t p0, int64_t, int64_t store, int64_t slot) {
+      int64_t blk = map.blocks(p0), start = slot - (p0 - blk * bs);  // the slot of the block's first position
+      kcode[blk - first_block] = k.at(store, h, start);
+      kprm[blk - first_block] = reinterpret_cast<const uint16_t*>(k_param.at(store, h, map.blocks(slot)));
+    });
+    map.each_run(b, from, to, [&](int64_t p0, int64_t p1, int64_t store, int64_t slot) {
+      fill_addresses(v.at(store, h, slot), v.slot_stride[store], p1 - p0, vcode + (p0 - k0));
+      fill_addresses(reinterpret_cast<const uint16_t*>(v_param.at(store, h, slot)), v_param.slot_stride[store],
+                     p1 - p0, vprm + (p0 - k0));
     });
     return {keys, values};
   }
@@ -3568,6 +3624,8 @@ void check_quant_stores(int64_t bits, const std::vector<at::Tensor>& k_stores, c
                   v_params.size() == k_stores.size(), "codes and scales per store");
   auto codes = bits == 8 ? at::kChar : at::kByte;
   check_stores(k_stores, codes, 3, "key codes");
+  for (const auto& s : k_stores)
+    TORCH_CHECK(s.stride(1) == s.size(2), "key codes: adjacent rows of D * bits / 8 bytes");
   check_stores(v_stores, codes, 3, "value codes");
   check_stores(k_params, bits == 8 ? at::kHalf : at::kByte, 3, "key scales");
   check_stores(v_params, at::kHalf, bits == 8 ? 2 : 3, "value scales");
@@ -3763,6 +3821,8 @@ at::Tensor attention_quant(const at::Tensor& q, std::vector<at::Tensor> k_stores
                            int64_t block_size, const at::Tensor& q_pos, const at::Tensor& upto, int64_t residual,
                            int64_t sink, int64_t bits) {
   TORCH_CHECK(k_windows.size() == static_cast<size_t>(q.size(0)), "one window per sequence");
+  TORCH_CHECK(block_size >= 1 && block_size <= MAX_QUANT_BLOCK, "quantized KV: block_size from 1 to ",
+              MAX_QUANT_BLOCK);
   TORCH_CHECK(q.size(3) % 16 == 0 && (bits == 8 || q.size(3) <= 256),
               "head_dim must be a multiple of 16 (int4: up to 256)");
   check_quant_stores(bits, k_stores, v_stores, k_params, v_params, k_windows, v_windows);
