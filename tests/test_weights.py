@@ -145,6 +145,18 @@ def test_each_format_multiplies_like_its_dequantized_weight(fmt, rows):
     torch.testing.assert_close(got, exact, atol=tolerance * float(exact.abs().max()), rtol=0)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("pure", [False, True])
+def test_a_quantized_projection_moved_off_the_cpu_decodes_by_dequantizing(fmt, pure):
+    """Built on the CPU (as a GGUF loads) then moved, as Engine moves a model to CUDA: neither the compiled
+    kernels nor torch's CPU int4 packing / int8 groups may be called there. The meta device stands in for CUDA."""
+    w = torch.randn(64, 64, generator=torch.Generator().manual_seed(1)) * 0.05
+    with kernels.pure_pytorch() if pure else contextlib.nullcontext():
+        moved = build_linear(to_format(w, fmt, "model.layers.0.mlp.down_proj.weight")).to("meta")
+    got = moved.decode(torch.randn(2, 64, device="meta"))
+    assert got.device.type == "meta" and got.shape == (2, 64)
+
+
 def test_int4_reads_its_codes_back_from_the_kernel_layout_without_a_second_copy():
     w = torch.randn(192, 128) * 0.1
     q = quantize_int4(w)

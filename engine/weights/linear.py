@@ -193,12 +193,18 @@ class Int8Linear(WeightLinear):
         # after it instead, so each channel's scale keeps its float16 precision: [G, N]
         self.register_buffer("kernel_scales", torch.ones(groups, n, dtype=torch.bfloat16))
         self.register_buffer("float_scales", self.scales.t().float().contiguous())
+        self.kernel_device = self.codes.device.type
         self.kernel_name = pick_int8_kernel(self)
+
+    def torch_kernel_on(self, device: torch.device) -> bool:
+        """Whether torch's weight-only kernel, picked and checked on the device the weight was loaded on, serves
+        activations on `device` (a module moved since, e.g. to CUDA, dequantizes for every call instead)."""
+        return getattr(self, "kernel_device", None) == device.type and not self.kernel_name.startswith("dequantize")
 
     def decode(self, x):
         if self.compiled is not None and x.device.type == "cpu":
             return self.compiled.int8_linear(x.float().contiguous(), self.codes, self.scales)
-        if self.kernel_name.startswith("dequantize"):
+        if not self.torch_kernel_on(x.device):
             return self.prefill(x)
         xb = x.to(torch.bfloat16)
         out = self._group_product(xb, 0)
@@ -304,7 +310,7 @@ class Int4Linear(WeightLinear):
     def decode(self, x):
         if self.compiled is not None and x.device.type == "cpu":
             return self.compiled_decode(x.float().contiguous())
-        if self.packed is None:
+        if self.packed is None or x.device.type != "cpu":  # (torch's packing is the CPU kernel's: moved, dequantize)
             return self.prefill(x)
         xb = x.to(torch.bfloat16)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, self.group_size, self.scale_zero).float()
