@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.bench import roofline, targets
+from engine.bench import roofline, step, targets
 from engine.bench.common import load_context
 from engine.bench.suite import BENCHMARKS, run_bench
 from engine.bench.workload import WorkloadShape, describe, make_workload
@@ -130,6 +130,18 @@ def test_step_bytes_add_the_kv_of_the_context():
     assert per_token == 2 * 4 * 2 * 2 * 16
     assert roofline.step_bytes(1000, per_token, 512) == 1000 + 512 * per_token
     assert roofline.lower_bound_ms(10**9, 10.0) == pytest.approx(100.0)
+
+
+def test_the_step_growth_takes_out_the_read_bandwidth_measured_beside_each_row():
+    first = {"ms": 10.0, "bytes": 100, "read_gbs": 12.0}
+    last = {"ms": 30.0, "bytes": 176, "read_gbs": 6.0}  # the later row ran while the machine read at half speed
+    grown = step.growth(first, last)
+    assert grown["latency"] == pytest.approx(3.0) and grown["latency_at_equal_bandwidth"] == pytest.approx(1.5)
+    assert grown["bytes"] == pytest.approx(1.76)
+    verdict = {t.name: t for t in targets.step_targets({"bytes": {"growth": {"paged": grown}, "first": 512,
+                                                                   "last": 4096}})}
+    target = verdict["paged step growth 512 -> 4096 tokens / growth of its bytes"]
+    assert target.measured == pytest.approx(1.5 / 1.76) and target.passed  # 3.0 / 1.76 as measured would miss
 
 
 # ---- the verdicts

@@ -8,6 +8,8 @@ same GGUF with the same number of threads.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from engine.bench import report, roofline
@@ -30,12 +32,16 @@ ROUNDS, TURN = 6, 8
 STRATEGIES = ("paged", "contiguous", "paged-int8", "paged, KV bfloat16", "paged, KV int4")  # paged: the engine's KV
 BATCH = 8
 PROFILE_TOP = 12
+PROBE = "read probe"  # a one-thread runner that reads a buffer past the caches: each row's own bandwidth
+PROBE_MB = 256
 
 METHOD = (
     f"Each runner holds one sequence prefilled to the context; runners alternate, {TURN} single-token steps each, "
     f"{ROUNDS} rounds, the first round's steps discarded; the median step is reported. Engine steps are "
     "engine.step (the forward, no sampling); llama.cpp's are Llama.eval of one token on the same GGUF with "
-    "n_threads = n_threads_batch = the engine's threads."
+    "n_threads = n_threads_batch = the engine's threads. At one thread a read probe (a sum over a "
+    f"{PROBE_MB} MB buffer) takes its turns beside them, and each context's roofline uses the bandwidth it measured "
+    "in those minutes (the machine's own speed drifts between rows)."
 )
 
 
@@ -51,17 +57,20 @@ def run(ctx: BenchContext, quick: bool) -> dict:
         for threads in THREADS[:1] if ctx.tiny else THREADS:
             torch.set_num_threads(threads)
             peer = LlamaCppRunner(ctx.gguf_path, max(contexts) + ROUNDS * TURN + 8, threads) if llama else None
+            probe = ReadProbe() if threads == 1 else None
             for context in contexts:
                 status(f"step: {threads} thread(s), context {context}")
-                latency = alternate(ctx, context, peer)
+                latency = alternate(ctx, context, peer, probe)
                 key = f"{threads}t/{context}"
+                if probe is not None:
+                    out.setdefault("read_gbs", {})[key] = probe.gbs(latency.pop(PROBE))
                 out["latency_ms"][key] = latency
                 if peer is not None:
                     out["speed_vs_llama_cpp"][key] = {n: ratio(latency["llama.cpp"], ms) for n, ms in latency.items()
                                                       if n != "llama.cpp"}
         torch.set_num_threads(1)
         out["batch"] = batch_scaling(ctx, contexts[0])
-        out["bytes"] = bytes_figures(ctx, out["latency_ms"], contexts)
+        out["bytes"] = bytes_figures(ctx, out["latency_ms"], contexts, out.get("read_gbs", {}))
         out["profile"] = {str(c): profile_step(ctx, c) for c in dict.fromkeys((contexts[0], contexts[-1]))}
     finally:
         torch.set_num_threads(threads_before)
@@ -101,12 +110,32 @@ class EngineRunner:
         return ms
 
 
-def alternate(ctx: BenchContext, context: int, peer: LlamaCppRunner | None) -> dict[str, float]:
+class ReadProbe:
+    """A runner whose turn reads a buffer far larger than the caches once: the read bandwidth of the same minutes
+    as the steps it alternates with."""
+
+    def __init__(self, mb: int = PROBE_MB):
+        self.buffer = torch.ones(mb * 2**20 // 4, dtype=torch.float32)
+        self.buffer.sum()  # paged in
+
+    def step(self, ids: list[int]) -> float:
+        start = time.perf_counter()
+        self.buffer.sum()
+        return (time.perf_counter() - start) * 1e3
+
+    def gbs(self, ms: float) -> float:
+        return self.buffer.nbytes / ms / 1e6
+
+
+def alternate(ctx: BenchContext, context: int, peer: LlamaCppRunner | None,
+              probe: ReadProbe | None = None) -> dict[str, float]:
     ids = random_ids(context + ROUNDS * TURN + 8, ctx.engine.model_config.vocab_size)
     runners: dict[str, object] = {s: EngineRunner(ctx, s, ids, context) for s in STRATEGIES}
     if peer is not None:
         peer.start(ids[:context])
         runners["llama.cpp"] = peer
+    if probe is not None:
+        runners[PROBE] = probe
     samples: dict[str, list[float]] = {name: [] for name in runners}
     for round_ in range(ROUNDS):
         order = list(runners.items()) if round_ % 2 == 0 else list(runners.items())[::-1]
@@ -142,25 +171,35 @@ def batch_scaling(ctx: BenchContext, context: int) -> dict:
             "batch_over_one": ratio(median(many), median(one))}
 
 
-def bytes_figures(ctx: BenchContext, latency: dict, contexts: list[int]) -> dict:
-    """Bytes each strategy's step reads at each context, the lower bound they give, and the measured multiple."""
+def bytes_figures(ctx: BenchContext, latency: dict, contexts: list[int], read_gbs: dict[str, float]) -> dict:
+    """Bytes each strategy's step reads at each context, the lower bound they give at the read bandwidth measured
+    beside that context's steps (read_gbs, by row key; a probe now where a row has none), and the multiple."""
     e = ctx.engine
     weights = roofline.weight_bytes(e.model)
     per_token = {s: make_cache(e, s, block_size=16, pool_tokens=16).bytes_per_block() / 16 if s != "contiguous"
                  else e.model_config.kv_bytes_per_token(e.cache.bytes_per_element) for s in STRATEGIES}
     bw = roofline.measure_bandwidth(256)
+    gbs = {c: read_gbs.get(f"1t/{c}") or bw.single_thread_gbs for c in contexts}
     rows = {}
     for s in STRATEGIES:
         for c in contexts:
             read = roofline.step_bytes(weights, per_token[s], c)
             ms = latency.get(f"1t/{c}", {}).get(s)
-            bound = roofline.lower_bound_ms(read, bw.single_thread_gbs)
-            rows[f"{s}/{c}"] = {"bytes": read, "bound_ms": bound, "ms": ms, "multiple": ratio(ms, bound)}
+            bound = roofline.lower_bound_ms(read, gbs[c])
+            rows[f"{s}/{c}"] = {"bytes": read, "read_gbs": gbs[c], "bound_ms": bound, "ms": ms,
+                                "multiple": ratio(ms, bound)}
     first, last = contexts[0], contexts[-1]
-    grows = {s: {"latency": ratio(rows[f"{s}/{last}"]["ms"], rows[f"{s}/{first}"]["ms"]),
-                 "bytes": ratio(rows[f"{s}/{last}"]["bytes"], rows[f"{s}/{first}"]["bytes"])} for s in STRATEGIES}
     return {"weights": weights, "kv_bytes_per_token": per_token, "bandwidth": bw.__dict__, "rows": rows,
-            "growth": grows, "first": first, "last": last}
+            "growth": {s: growth(rows[f"{s}/{first}"], rows[f"{s}/{last}"]) for s in STRATEGIES},
+            "first": first, "last": last}
+
+
+def growth(first: dict, last: dict) -> dict:
+    """From one context's row to another's: the latency's growth, the same at the first row's read bandwidth (the
+    machine's drift between the two rows taken out), and the growth of the bytes read."""
+    latency = ratio(last["ms"], first["ms"])
+    steady = latency * last["read_gbs"] / first["read_gbs"] if latency is not None else None
+    return {"latency": latency, "latency_at_equal_bandwidth": steady, "bytes": ratio(last["bytes"], first["bytes"])}
 
 
 def profile_step(ctx: BenchContext, context: int) -> list[dict]:
@@ -194,9 +233,10 @@ def summarize(r: dict) -> str:
              *([f"{s} speed vs llama.cpp" for s in STRATEGIES] if r["llama_cpp"] else [])]
     b = r["batch"]
     by = r["bytes"]
-    byte_rows = [[k, v["bytes"] / 1e6, v["bound_ms"], v["ms"], v["multiple"]] for k, v in by["rows"].items()]
-    growth = "; ".join(f"{s}: latency x{report.fmt(g['latency'])} for bytes x{report.fmt(g['bytes'])}"
-                       for s, g in by["growth"].items())
+    byte_rows = [[k, v["bytes"] / 1e6, v.get("read_gbs"), v["bound_ms"], v["ms"], v["multiple"]]
+                 for k, v in by["rows"].items()]
+    grown = "; ".join(f"{s}: latency x{report.fmt(g['latency'])} (x{report.fmt(g.get('latency_at_equal_bandwidth'))} "
+                      f"at equal read bandwidth) for bytes x{report.fmt(g['bytes'])}" for s, g in by["growth"].items())
     profiles = [report.md_table(["op", "calls / step", "ms / step", "share"],
                                 [[p["op"], p["calls_per_step"], p["ms_per_step"], report.pct(p["share"])]
                                  for p in prof]) for prof in r["profile"].values()]
@@ -205,11 +245,11 @@ def summarize(r: dict) -> str:
         report.md_table(heads, rows),
         f"Batch: {b['batch']} sequences at {b['context']} tokens each take {report.fmt(b['batch_ms'])} ms a step, "
         f"one takes {report.fmt(b['one_ms'])} ms: x{report.fmt(b['batch_over_one'])}.",
-        f"Bytes read per step (weights {by['weights'] / 1e6:.1f} MB; 1-thread read bandwidth "
-        f"{by['bandwidth']['single_thread_gbs']:.1f} GB/s) and the lower bound they give at one thread. "
-        f"From {by['first']} to {by['last']} tokens: {growth}.",
-        report.md_table(["strategy/context", "MB read", "bound (ms)", "measured (ms)", "measured / bound"],
-                        byte_rows),
+        f"Bytes read per step (weights {by['weights'] / 1e6:.1f} MB) and the lower bound they give at one thread, at "
+        "the read bandwidth the probe measured beside each context's steps (a probe after the runs: "
+        f"{by['bandwidth']['single_thread_gbs']:.1f} GB/s). From {by['first']} to {by['last']} tokens: {grown}.",
+        report.md_table(["strategy/context", "MB read", "read GB/s", "bound (ms)", "measured (ms)",
+                         "measured / bound"], byte_rows),
         *[f"Profile of a paged step at {c} tokens (1 thread):\n\n{t}" for c, t in zip(r["profile"], profiles)],
     )
 
