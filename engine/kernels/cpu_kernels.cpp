@@ -2006,6 +2006,10 @@ inline void untile_row(const uint8_t* row, int64_t p, int64_t w, uint8_t* out) {
   for (int64_t j = 0; j < w; ++j) out[j] = tile[KEYS ? tiled_key_at(r, j, w) : tiled_value_at(r, j, w)];
 }
 
+// x / size (x >= 0), by a shift where size is a power of two (shift: its log2, else -1): a division per block was
+// ~10% of a quantized tile's set-up (StepMap::blocks, QuantRows::block_of)
+inline int64_t in_blocks(int64_t x, int shift, int64_t size) { return shift >= 0 ? x >> shift : x / size; }
+
 template <int BITS>
 struct QuantRows {
   int64_t first = 0, full = 0, ring = 1;  // ring: the window's rows (position p in row p % ring)
@@ -2024,9 +2028,9 @@ struct QuantRows {
   int64_t known = 0;  // these cover [first, known): the tile's codes and the next ones, to prefetch
   int64_t end = 0;    // the sequence's length: the window holds [full, end)
   int64_t block_size = 1;  // positions [k bs, (k + 1) bs) share a block's key scales and adjacent rows
-  int block_shift = -1;    // log2(block_size) where it is a power of two (StepMap::blocks)
+  int block_shift = -1;    // log2(block_size) where it is a power of two, else -1 (in_blocks)
   bool tiled = false;      // codes in tiles (kv_tiled); code[p] is where row p would start all the same
-  int64_t block_of(int64_t p) const { return block_shift >= 0 ? p >> block_shift : p / block_size; }
+  int64_t block_of(int64_t p) const { return in_blocks(p, block_shift, block_size); }
   int64_t block_end(int64_t p, int64_t limit) const { return std::min(limit, (block_of(p) + 1) * block_size); }
   const uint8_t* key_row(int64_t p) const {  // where position p's key codes start
     int64_t blk = block_of(p);
@@ -3294,9 +3298,8 @@ inline void combine_tiles(const float* parts, int64_t tiles, int64_t tile_stride
 struct StepMap {  // where a step's keys are: see `attention` below
   const int32_t *table, *block_store, *block_start, *q_pos;
   int64_t width, block_size, t;
-  int block_shift = -1;  // log2(block_size) where it is a power of two
-  // x / block_size (x >= 0), by a shift where it can be: a division per block was ~10% of a quantized tile's set-up
-  int64_t blocks(int64_t x) const { return block_shift >= 0 ? x >> block_shift : x / block_size; }
+  int block_shift = -1;  // log2(block_size) where it is a power of two, else -1 (in_blocks)
+  int64_t blocks(int64_t x) const { return in_blocks(x, block_shift, block_size); }
   int64_t kv_len(int64_t b) const {
     int64_t last = -1;
     for (int64_t r = 0; r < t; ++r) last = std::max<int64_t>(last, q_pos[b * t + r]);

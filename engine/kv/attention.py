@@ -73,6 +73,7 @@ class KeyMap:
     store_of: torch.Tensor | None = None  # [B, T] int32: where each new token is written (-1: padding)
     slot_of: torch.Tensor | None = None  # [B, T] int32
     lists: tuple[list[list[int]], list[int], list[int]] | None = None  # the tables, block stores and starts as lists
+    new_lists: tuple[list[list[int]], list[list[int]]] | None = None  # store_of and slot_of as lists
     _gather: list | None = None  # the pure PyTorch path's gather plan, made on first use
     _scatter: list | None = None  # the pure PyTorch path's write plan, made on first use
 
@@ -91,10 +92,11 @@ class KeyMap:
             store_of.append([stores[b] for b in new] + [-1] * (t - n))
             slot_of.append([starts[b] + (p + j) % block_size for j, b in enumerate(new)] + [0] * (t - n))
         table = [blocks + [0] * (width - len(blocks)) for blocks in tables]
-        table, q_pos, store_of, slot_of = (torch.tensor(x, dtype=torch.int32, device=device)
-                                           for x in (table, q_pos, store_of, slot_of))
+        table, q_pos, store_of_tensor, slot_of_tensor = (torch.tensor(x, dtype=torch.int32, device=device)
+                                                         for x in (table, q_pos, store_of, slot_of))
         keys = cls(table, block_store, block_start, block_size, q_pos, [p + n for p, n in zip(past, n_new)])
-        keys.store_of, keys.slot_of, keys.lists = store_of, slot_of, (tables, stores, starts)
+        keys.new_lists = store_of, slot_of
+        keys.store_of, keys.slot_of, keys.lists = store_of_tensor, slot_of_tensor, (tables, stores, starts)
         return keys
 
     @classmethod

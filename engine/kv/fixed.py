@@ -102,12 +102,9 @@ def shape_of(view: StepView, stores: list[tuple[list[torch.Tensor], list[torch.T
 
 
 def new_keys(view: StepView) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's new key (its sequence's last): its store and slot."""
-    tables, stores, starts = view.keys.lists
-    size = view.keys.block_size
-    blocks = [t[(n - 1) // size] for t, n in zip(tables, view.kv_len)]
-    return (np.array([stores[b] for b in blocks]),
-            np.array([starts[b] + (n - 1) % size for b, n in zip(blocks, view.kv_len)]))
+    """Each row's new key (a decode step's one token): its store and slot, where KeyMap.build placed it."""
+    store_of, slot_of = view.keys.new_lists
+    return np.array([s[0] for s in store_of]), np.array([s[0] for s in slot_of])
 
 
 def pack_places(view: StepView, tokens: list[int], shape: Shape, places: Places) -> np.ndarray:

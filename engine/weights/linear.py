@@ -162,6 +162,7 @@ class Int8Linear(WeightLinear):
     is built, else as codes [N, K] and scales [N, G]; torch's fallback kernel takes one call per group of K, summed."""
 
     format_name = "int8"
+    kernel_device: str | None = None  # the device type torch's kernel was picked and checked on (None: not prepared)
 
     def __init__(self, q: QuantizedWeight):
         super().__init__(*q.shape)
@@ -199,7 +200,7 @@ class Int8Linear(WeightLinear):
     def torch_kernel_on(self, device: torch.device) -> bool:
         """Whether torch's weight-only kernel, picked and checked on the device the weight was loaded on, serves
         activations on `device` (a module moved since, e.g. to CUDA, dequantizes for every call instead)."""
-        return getattr(self, "kernel_device", None) == device.type and not self.kernel_name.startswith("dequantize")
+        return self.kernel_device == device.type and not self.kernel_name.startswith("dequantize")
 
     def decode(self, x):
         if self.compiled is not None and x.device.type == "cpu":
