@@ -106,22 +106,30 @@ def bytes_per_token_ratio(kv: str, block: int) -> float:
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the compiled CPU kernels are not built here")
-def test_the_kernel_quantizes_int4_keys_to_the_bits_of_the_pure_pytorch_codec():
-    h, d, bs, t = 3, 64, 16, 128
-    k, v = torch.randn(1, h, t, d) * torch.linspace(0.2, 5, d) + 2 * torch.randn(d), torch.randn(1, h, t, d)
-    stores = [[s[0]] for s in quant.INT4.storage(1, h, t // bs, bs, d, "cpu")]
-    window = torch.zeros(2, h, bs, d, dtype=torch.float16)  # no residual, no sink: a block is quantized as it fills
+@pytest.mark.parametrize("codec", [quant.INT8, quant.INT4], ids=lambda c: c.name)
+@pytest.mark.parametrize("d", [64, 96])
+def test_the_kernel_quantizes_keys_and_values_to_the_bits_of_the_pure_pytorch_codec(codec, d):
+    h, bs, t = 3, 16, 128
+    k = torch.randn(1, h, t, d) * torch.linspace(0.2, 5, d) + 2 * torch.randn(d)
+    v = torch.randn(1, h, t, d) * torch.linspace(3, 0.1, t)[:, None]
+    k[..., 5], v[:, :, 7] = 0.0, 1e-7  # a constant channel and a near-constant token: the scales' floors
+    stores = [[s[0]] for s in codec.storage(1, h, t // bs, bs, d, "cpu")]
+    window_dtype = torch.float16 if codec.bits == 4 else torch.float32
+    window = torch.zeros(2, h, bs, d, dtype=window_dtype)  # no residual, no sink: a block is quantized as it fills
     keys = KeyMap.build([list(range(t // bs))], torch.zeros(t // bs, dtype=torch.int32),
                         torch.arange(t // bs, dtype=torch.int32) * bs, bs, [0], [t], torch.device("cpu"))
     kernels.ops().write_kv_quant(*stores, [window[0]], [window[1]], k, v, keys.table, keys.block_store,
-                                 keys.block_start, bs, keys.q_pos, torch.zeros(1, dtype=torch.int32), 0, 0, 4)
-    held = k[0].half().float()  # a block is quantized from the window's float16 rows
-    codes, params = quant.quantize_keys_int4(held.view(h, t // bs, bs, d))
-    rows = codes.reshape(h, t, d // 2)
-    if kernels.kv_tiled(4, d, bs, "cpu"):  # stored as the AVX-512 path reads them
-        assert torch.equal(quant.from_tiles(stores[0][0], keys=True), rows)
-        rows = quant.to_tiles(rows, keys=True)
-    assert torch.equal(stores[0][0], rows) and torch.equal(stores[2][0], params)
+                                 keys.block_start, bs, keys.q_pos, torch.zeros(1, dtype=torch.int32), 0, 0,
+                                 codec.bits)
+    held_k, held_v = (x[0].to(window_dtype).float() for x in (k, v))  # a block is quantized from its window rows
+    key_codes, key_params = codec.quantize_keys(held_k.view(h, t // bs, bs, d))
+    value_codes, value_params = codec.quantize_values(held_v)
+    key_rows, value_rows = key_codes.reshape(h, t, -1), value_codes.reshape(h, t, -1)
+    if kernels.kv_tiled(codec.bits, d, bs, "cpu"):  # stored as the AVX-512 path reads them
+        key_rows, value_rows = quant.to_tiles(key_rows, keys=True), quant.to_tiles(value_rows, keys=False)
+    assert torch.equal(stores[0][0], key_rows) and torch.equal(stores[1][0], value_rows)
+    assert torch.equal(stores[2][0], key_params.reshape(stores[2][0].shape))
+    assert torch.equal(stores[3][0], value_params.reshape(stores[3][0].shape))
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the compiled CPU kernels are not built here")
