@@ -293,8 +293,8 @@ struct InputRows {
 };
 
 InputRows as_rows(const at::Tensor& x, int64_t k, int64_t n) {
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "x must be contiguous float32 [..., K] with K = the weight's input size");
+  TORCH_CHECK(k > 0 && x.dim() >= 1 && x.size(-1) == k && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "x must be contiguous float32 [..., K] with K > 0 the weight's input size");
   c10::SmallVector<int64_t, 4> sizes(x.sizes().begin(), x.sizes().end());
   sizes.back() = n;
   return {x.data_ptr<float>(), x.numel() / k, at::empty(sizes, x.options())};
