@@ -285,7 +285,8 @@ void parallel_tapered(int64_t n, const F& f) {
 }
 
 // a projection's input x: [..., K] float32, contiguous, read as M rows of K; its output is allocated as [..., N]
-// in one call (views of either went through the dispatcher: ~1 µs of a decode step's projection, on one thread)
+// in one call (views of either went through the dispatcher: ~700 of the ~4,400 cycles a one-row projection spent
+// outside its job, rdtsc on the Xeon)
 struct InputRows {
   const float* data;
   int64_t m;
