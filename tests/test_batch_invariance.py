@@ -271,6 +271,28 @@ def test_global_layers_beside_sliding_ones_run_as_one_call_with_the_bits_of_op_b
         assert same_bits(one_call, run())
 
 
+def test_the_hidden_states_a_decode_step_hands_back_survive_later_steps(tiny_config, tokenizer):
+    """The one-call step reuses its layers' tensors from one step to the next (engine/kernels: StepArena), never
+    one that something outside still holds: the tensor itself, or only a view of its storage."""
+    engine = tiny_engine(tiny_config, tokenizer, "int4", cache="paged")
+    decode(engine, 1, PROMPT, 2)
+
+    def hidden_states(token: int) -> torch.Tensor:  # [1, 1, H]
+        view = engine.cache.begin_step([1], [[token]])
+        out = engine.model.hidden_states(torch.tensor([[token]]), view)
+        engine.cache.commit_step(view)
+        return out
+
+    with OpRecorder() as recorder:
+        held = hidden_states(5)
+    assert recorder.names.count("kvscope.decoder_layers") == 1
+    row = hidden_states(6)[0, 0]  # the step's tensor dropped, a view of it kept
+    held_then, row_then = held.clone(), row.clone()
+    for token in range(7, 12):
+        hidden_states(token)
+    assert torch.equal(held, held_then) and torch.equal(row, row_then)
+
+
 def test_a_weight_format_changed_live_runs_in_the_one_call_layer_with_its_new_weights(tiny_config, tokenizer):
     engine = tiny_engine(tiny_config, tokenizer, "float32", cache="paged")
     decode(engine, 1, PROMPT, 2)  # the layers' one-call arguments are looked up: float32 tensors
