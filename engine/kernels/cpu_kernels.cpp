@@ -285,8 +285,9 @@ void parallel_tapered(int64_t n, const F& f) {
 }
 
 // ---------------------------------------------------------------- a decode step's tensors
-// A layer's outputs (projections, norms, rotary, attention) are ~11 tensors; at::empty and the tensor's release
-// cost ~0.6-1 us each on the Xeon (its own loop of 20,000), ~0.3 ms of a step's serial time over 30 layers.
+// A layer's outputs (projections, norms, rotary, attention) are 11 tensors; at::empty and the tensor's release
+// cost ~0.6-1 us each on the Xeon (a loop of 20,000), and fresh memory is cold: taken from the arena, the cycles a
+// two-thread step spends between the pool's jobs went from 3.6-4.0 to ~2.8 million (int4 KV, 4,096 tokens, rdtsc).
 // Inside decoder_layers a layer takes them from a StepArena instead: the same slots layer after layer (two sets,
 // alternating, since a layer's last output is the next layer's input), each handed out again only where nothing
 // else holds the tensor or a view of its storage, else replaced by a fresh one. Elsewhere (an op called from
@@ -1254,15 +1255,16 @@ std::vector<at::Tensor> rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, c
   at::Tensor q = fresh_tensor({b, hq, t, d}, opts), k = fresh_tensor({b, hkv, t, d}, opts),
              v = fresh_tensor({b, hkv, t, d}, opts);
   const float *src = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   for (int64_t bi = 0; bi < b; ++bi)
     for (int64_t ti = 0; ti < t; ++ti) {
       const float* row = src + (bi * t + ti) * heads * d;
       const float *c = cp + (bi * t + ti) * d, *s = sp + (bi * t + ti) * d;
       for (int64_t h = 0; h < heads; ++h) {
         const float* x = row + h * d;
-        float* out = h < hq ? q.data_ptr<float>() + ((bi * hq + h) * t + ti) * d
-                   : h < hq + hkv ? k.data_ptr<float>() + ((bi * hkv + h - hq) * t + ti) * d
-                                  : v.data_ptr<float>() + ((bi * hkv + h - hq - hkv) * t + ti) * d;
+        float* out = h < hq ? qp + ((bi * hq + h) * t + ti) * d
+                   : h < hq + hkv ? kp + ((bi * hkv + h - hq) * t + ti) * d
+                                  : vp + ((bi * hkv + h - hq - hkv) * t + ti) * d;
         if (h >= hq + hkv) {
           std::copy_n(x, d, out);
           continue;
@@ -3429,7 +3431,7 @@ template <typename T>
 struct StoreAddresses {  // in place up to 16 stores: a step builds a dozen of these a layer (measured: their heap
   c10::SmallVector<const T*, 16> base;  // vectors were 1.2% of an int8 step at 512 tokens in malloc and free)
   c10::SmallVector<int64_t, 16> head_stride, slot_stride;
-  StoreAddresses(const std::vector<at::Tensor>& stores) {  // NOLINT: implicit, for aggregate initialisation
+  StoreAddresses(at::TensorList stores) {  // NOLINT: implicit, for aggregate initialisation
     base.reserve(stores.size()), head_stride.reserve(stores.size()), slot_stride.reserve(stores.size());
     for (const auto& s : stores) {
       base.push_back(static_cast<const T*>(s.data_ptr()));  // dtypes are checked by the callers
@@ -3547,7 +3549,7 @@ struct FloatStores {
 };
 
 template <typename T>
-void write_rows(const std::vector<at::Tensor>& stores, const at::Tensor& x, const int32_t* store_of,
+void write_rows(at::TensorList stores, const at::Tensor& x, const int32_t* store_of,
                 const int32_t* slot_of) {
   int64_t b = x.size(0), h = x.size(1), t = x.size(2), d = x.size(3);
   StoreAddresses<T> at_(stores);
@@ -3562,11 +3564,11 @@ void write_rows(const std::vector<at::Tensor>& stores, const at::Tensor& x, cons
     }
 }
 
-void check_stores(const std::vector<at::Tensor>& stores, at::ScalarType dtype, int64_t dims, const char* what);
+void check_stores(at::TensorList stores, at::ScalarType dtype, int64_t dims, const char* what);
 
 // a step's new keys and values k, v: [B, Hkv, T, D] float32 into their stores: token t of sequence b goes to
 // store store_of[b, t], slot slot_of[b, t] (store -1: a padding token, not written)
-void write_kv(std::vector<at::Tensor> k_stores, std::vector<at::Tensor> v_stores, const at::Tensor& k,
+void write_kv(at::TensorList k_stores, at::TensorList v_stores, const at::Tensor& k,
               const at::Tensor& v, const at::Tensor& store_of, const at::Tensor& slot_of) {
   TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes() &&
                   k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
@@ -3589,7 +3591,7 @@ void write_kv(std::vector<at::Tensor> k_stores, std::vector<at::Tensor> v_stores
   }
 }
 
-void check_stores(const std::vector<at::Tensor>& stores, at::ScalarType dtype, int64_t dims, const char* what) {
+void check_stores(at::TensorList stores, at::ScalarType dtype, int64_t dims, const char* what) {
   TORCH_CHECK(!stores.empty(), what, ": at least one store");
   for (const auto& s : stores)
     TORCH_CHECK(s.dim() == dims && s.stride(-1) == 1 && s.scalar_type() == dtype, what,
@@ -3598,7 +3600,7 @@ void check_stores(const std::vector<at::Tensor>& stores, at::ScalarType dtype, i
 
 // q: [B, Hq, T, D] float32; stores [Hkv, slots, D] (float32, bfloat16 or float16); token p of sequence b sits in
 // store block_store[blk], slot block_start[blk] + p % block_size, blk = table[b, p / block_size]; q_pos: [B, T]
-at::Tensor attention(const at::Tensor& q, std::vector<at::Tensor> k_stores, std::vector<at::Tensor> v_stores,
+at::Tensor attention(const at::Tensor& q, at::TensorList k_stores, at::TensorList v_stores,
                      const at::Tensor& table, const at::Tensor& block_store, const at::Tensor& block_start,
                      int64_t block_size, const at::Tensor& q_pos) {
   TORCH_CHECK(k_stores.size() == v_stores.size(), "one value store per key store");
@@ -3619,7 +3621,7 @@ at::Tensor attention(const at::Tensor& q, std::vector<at::Tensor> k_stores, std:
 }
 
 // the windows hold residual + block_size rows (what the sequence keeps in full precision at most)
-void check_ring(const std::vector<at::Tensor>& windows, const at::Tensor& upto, int64_t residual, int64_t sink,
+void check_ring(at::TensorList windows, const at::Tensor& upto, int64_t residual, int64_t sink,
                 int64_t bs, int64_t batch) {
   TORCH_CHECK(upto.scalar_type() == at::kInt && upto.is_contiguous() && upto.numel() == batch, "upto: int32 [B]");
   TORCH_CHECK(residual >= 0 && residual % bs == 0 && sink >= 0, "residual: a multiple of the block size");
@@ -3645,8 +3647,8 @@ bool kv_tiled([[maybe_unused]] int64_t bits, [[maybe_unused]] int64_t d, [[maybe
 }
 
 // kv_tiled for these codes, checking that a tiled store's rows are adjacent (a tile spans 16 of them)
-bool tiled_stores(int64_t bits, int64_t d, int64_t bs, const std::vector<at::Tensor>& k_stores,
-                  const std::vector<at::Tensor>& v_stores) {
+bool tiled_stores(int64_t bits, int64_t d, int64_t bs, at::TensorList k_stores,
+                  at::TensorList v_stores) {
   if (!kv_tiled(bits, d, bs)) return false;
   for (const auto* stores : {&k_stores, &v_stores})
     for (const auto& s : *stores)
@@ -3716,9 +3718,9 @@ struct QuantStores {
 };
 
 // a quantized cache's tensors: codes, scales and per-sequence windows of rows of D (int4: float16, int8: float32)
-void check_quant_stores(int64_t bits, const std::vector<at::Tensor>& k_stores, const std::vector<at::Tensor>& v_stores,
-                        const std::vector<at::Tensor>& k_params, const std::vector<at::Tensor>& v_params,
-                        const std::vector<at::Tensor>& k_windows, const std::vector<at::Tensor>& v_windows) {
+void check_quant_stores(int64_t bits, at::TensorList k_stores, at::TensorList v_stores,
+                        at::TensorList k_params, at::TensorList v_params,
+                        at::TensorList k_windows, at::TensorList v_windows) {
   TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4");
   TORCH_CHECK(k_stores.size() == v_stores.size() && k_params.size() == k_stores.size() &&
                   v_params.size() == k_stores.size(), "codes and scales per store");
@@ -3853,9 +3855,9 @@ void quantize_block(const float* kwin, const float* vwin, int64_t bs, int64_t d,
 // writes of a quantized cache: each new token goes to its sequence's window (row p % W); when the
 // sequence then has `residual` tokens after a block, that block is quantized into its store (see the head)
 template <int BITS>
-void write_quant(const std::vector<at::Tensor>& k_stores, const std::vector<at::Tensor>& v_stores,
-                 const std::vector<at::Tensor>& k_params, const std::vector<at::Tensor>& v_params,
-                 const std::vector<at::Tensor>& k_windows, const std::vector<at::Tensor>& v_windows,
+void write_quant(at::TensorList k_stores, at::TensorList v_stores,
+                 at::TensorList k_params, at::TensorList v_params,
+                 at::TensorList k_windows, at::TensorList v_windows,
                  const at::Tensor& k, const at::Tensor& v, const StepMap& map, const int32_t* upto,
                  int64_t residual, int64_t sink, bool tiled) {
   int64_t b = k.size(0), h = k.size(1), t = k.size(2), d = k.size(3), bs = map.block_size;
@@ -3912,9 +3914,9 @@ void write_quant(const std::vector<at::Tensor>& k_stores, const std::vector<at::
 }
 
 // k, v: the step's new keys and values [B, Hkv, T, D] float32 at the positions q_pos gives; upto: int32 [B]
-void write_kv_quant(std::vector<at::Tensor> k_stores, std::vector<at::Tensor> v_stores,
-                    std::vector<at::Tensor> k_params, std::vector<at::Tensor> v_params,
-                    std::vector<at::Tensor> k_windows, std::vector<at::Tensor> v_windows, const at::Tensor& k,
+void write_kv_quant(at::TensorList k_stores, at::TensorList v_stores,
+                    at::TensorList k_params, at::TensorList v_params,
+                    at::TensorList k_windows, at::TensorList v_windows, const at::Tensor& k,
                     const at::Tensor& v, const at::Tensor& table, const at::Tensor& block_store,
                     const at::Tensor& block_start, int64_t block_size, const at::Tensor& q_pos, const at::Tensor& upto,
                     int64_t residual, int64_t sink, int64_t bits) {
@@ -3937,9 +3939,9 @@ void write_kv_quant(std::vector<at::Tensor> k_stores, std::vector<at::Tensor> v_
 
 // a quantized cache: as `attention`, over codes and their scales, and per sequence a window holding its
 // positions from the last full block on (the block being filled)
-at::Tensor attention_quant(const at::Tensor& q, std::vector<at::Tensor> k_stores, std::vector<at::Tensor> v_stores,
-                           std::vector<at::Tensor> k_params, std::vector<at::Tensor> v_params,
-                           std::vector<at::Tensor> k_windows, std::vector<at::Tensor> v_windows,
+at::Tensor attention_quant(const at::Tensor& q, at::TensorList k_stores, at::TensorList v_stores,
+                           at::TensorList k_params, at::TensorList v_params,
+                           at::TensorList k_windows, at::TensorList v_windows,
                            const at::Tensor& table, const at::Tensor& block_store, const at::Tensor& block_start,
                            int64_t block_size, const at::Tensor& q_pos, const at::Tensor& upto, int64_t residual,
                            int64_t sink, int64_t bits) {
@@ -3970,7 +3972,7 @@ at::Tensor attention_quant(const at::Tensor& q, std::vector<at::Tensor> k_stores
 // stores; quantized caches: key codes, value codes, key params, value params, key windows, value windows);
 // where: table, block_store, block_start, q_pos, then store_of and slot_of (float) or upto (quantized);
 // ints: block_size, then residual, sink and bits (quantized).
-at::Tensor project(const at::Tensor& x, const std::vector<at::Tensor>& w, size_t first, int64_t parts) {
+at::Tensor project(const at::Tensor& x, at::TensorList w, size_t first, int64_t parts) {
   switch (parts) {
     case 1: return float_linear(x, w[first]);
     case 2: return int8_linear(x, w[first], w[first + 1]);
@@ -3979,21 +3981,20 @@ at::Tensor project(const at::Tensor& x, const std::vector<at::Tensor>& w, size_t
   }
 }
 
-std::vector<std::vector<at::Tensor>> groups_of(const std::vector<at::Tensor>& flat, const std::vector<int64_t>& parts) {
-  std::vector<std::vector<at::Tensor>> out;
+c10::SmallVector<at::TensorList, 6> groups_of(at::TensorList flat, c10::ArrayRef<int64_t> parts) {
+  c10::SmallVector<at::TensorList, 6> out;
   size_t at = 0;
   for (int64_t n : parts) {
     TORCH_CHECK(n >= 0 && at + n <= flat.size(), "kv_parts do not add up to the kv tensors");
-    out.emplace_back(flat.begin() + at, flat.begin() + at + n);
+    out.push_back(flat.slice(at, n));
     at += n;
   }
   TORCH_CHECK(at == flat.size(), "kv_parts do not add up to the kv tensors");
   return out;
 }
 
-at::Tensor attend_layer(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::vector<at::Tensor>& kv,
-                        const std::vector<int64_t>& kv_parts, const std::vector<at::Tensor>& where,
-                        const std::vector<int64_t>& ints) {
+at::Tensor attend_layer(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::TensorList kv,
+                        c10::ArrayRef<int64_t> kv_parts, at::TensorList where, c10::ArrayRef<int64_t> ints) {
   auto g = groups_of(kv, kv_parts);
   TORCH_CHECK((g.size() == 2 && where.size() == 6 && ints.size() == 1) ||
                   (g.size() == 6 && where.size() == 5 && ints.size() == 4),
@@ -4008,27 +4009,36 @@ at::Tensor attend_layer(const at::Tensor& q, const at::Tensor& k, const at::Tens
                          where[4], ints[1], ints[2], ints[3]);
 }
 
-at::Tensor decoder_layer(at::Tensor x, const at::Tensor& normed, const at::Tensor& cos, const at::Tensor& sin,
-                         std::vector<at::Tensor> weights, std::vector<int64_t> parts, std::vector<at::Tensor> norms,
-                         double eps, int64_t hq, int64_t hkv, std::vector<at::Tensor> kv, std::vector<int64_t> kv_parts,
-                         std::vector<at::Tensor> where, std::vector<int64_t> ints) {
+// decoder_layer with cos, sin as [B, T, D] (decoder_layers selects them once a step)
+at::Tensor layer_of_step(at::Tensor& x, const at::Tensor& normed, const at::Tensor& cos, const at::Tensor& sin,
+                         at::TensorList weights, c10::ArrayRef<int64_t> parts, at::TensorList norms, double eps,
+                         int64_t hq, int64_t hkv, at::TensorList kv, c10::ArrayRef<int64_t> kv_parts,
+                         at::TensorList where, c10::ArrayRef<int64_t> ints) {
   TORCH_CHECK(parts.size() == 4 && norms.size() == 2, "four projections (qkv, o, gate_up, down) and two norms");
   std::array<size_t, 4> first{};
   for (size_t i = 1; i < 4; ++i) first[i] = first[i - 1] + parts[i - 1];
   TORCH_CHECK(first[3] + parts[3] == weights.size(), "parts do not add up to the weight tensors");
-  TORCH_CHECK(cos.dim() == 4 && sin.dim() == 4, "cos, sin: [B, 1, T, D]");
-  auto qkv = rope_qkv(project(normed, weights, first[0], parts[0]), cos.select(1, 0), sin.select(1, 0), hq, hkv);
+  auto qkv = rope_qkv(project(normed, weights, first[0], parts[0]), cos, sin, hq, hkv);
   auto attended = attend_layer(qkv[0], qkv[1], qkv[2], kv, kv_parts, where, ints);  // [B, T, Hq * D]
   auto mid = add_rms_norm(x, project(attended, weights, first[1], parts[1]), norms[0], eps);
   auto gated = silu_mul(project(mid, weights, first[2], parts[2]));
   return add_rms_norm(x, project(gated, weights, first[3], parts[3]), norms[1], eps);
 }
 
-// the next n items of v from `at` (advanced), checked against v's end
+at::Tensor decoder_layer(at::Tensor x, const at::Tensor& normed, const at::Tensor& cos, const at::Tensor& sin,
+                         std::vector<at::Tensor> weights, std::vector<int64_t> parts, std::vector<at::Tensor> norms,
+                         double eps, int64_t hq, int64_t hkv, std::vector<at::Tensor> kv, std::vector<int64_t> kv_parts,
+                         std::vector<at::Tensor> where, std::vector<int64_t> ints) {
+  TORCH_CHECK(cos.dim() == 4 && sin.dim() == 4, "cos, sin: [B, 1, T, D]");
+  return layer_of_step(x, normed, cos.select(1, 0), sin.select(1, 0), weights, parts, norms, eps, hq, hkv, kv,
+                       kv_parts, where, ints);
+}
+
+// the next n items of v from `at` (advanced), checked against v's end: a view of them, not a copy
 template <typename T>
-std::vector<T> take_next(const std::vector<T>& v, size_t& at, int64_t n, const char* what) {
+c10::ArrayRef<T> take_next(const std::vector<T>& v, size_t& at, int64_t n, const char* what) {
   TORCH_CHECK(n >= 0 && at + n <= v.size(), "decoder_layers: ", what, " runs short");
-  std::vector<T> part(v.begin() + at, v.begin() + at + n);
+  c10::ArrayRef<T> part(v.data() + at, static_cast<size_t>(n));
   at += n;
   return part;
 }
@@ -4047,6 +4057,8 @@ at::Tensor decoder_layers(at::Tensor x, at::Tensor normed, const at::Tensor& cos
   TORCH_CHECK(parts.size() == 4 * layers && norms.size() == 2 * layers && heads.size() == 2 * layers &&
                   counts.size() == 4 * layers,
               "decoder_layers: per layer 4 parts, 2 norms, an eps, 2 heads and 4 counts");
+  TORCH_CHECK(cos.dim() == 4 && sin.dim() == 4, "cos, sin: [B, 1, T, D]");
+  const at::Tensor cos3 = cos.select(1, 0), sin3 = sin.select(1, 0);
   size_t w = 0, n = 0, k = 0, kp = 0, wh = 0, in = 0, p = 0;
   ArenaScope arenas;
   for (size_t i = 0; i < layers; ++i) {
@@ -4054,7 +4066,7 @@ at::Tensor decoder_layers(at::Tensor x, at::Tensor normed, const at::Tensor& cos
     auto layer_parts = take_next(parts, p, 4, "parts");
     int64_t nw = layer_parts[0] + layer_parts[1] + layer_parts[2] + layer_parts[3];
     const int64_t* c = counts.data() + 4 * i;
-    normed = decoder_layer(x, normed, cos, sin, take_next(weights, w, nw, "weights"), layer_parts,
+    normed = layer_of_step(x, normed, cos3, sin3, take_next(weights, w, nw, "weights"), layer_parts,
                            take_next(norms, n, 2, "norms"), eps[i], heads[2 * i], heads[2 * i + 1],
                            take_next(kv, k, c[0], "kv"), take_next(kv_parts, kp, c[1], "kv_parts"),
                            take_next(where, wh, c[2], "where"), take_next(ints, in, c[3], "ints"));
