@@ -1186,25 +1186,6 @@ inline __m256 exp8(__m256 x) {
   __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
 }
-#ifdef KVSCOPE_AVX512
-// exp8's steps on 16 lanes (the same bits a lane) for x in [-87, 88]; lanes outside `keep` are 0
-inline __m512 exp16_within(__m512 x, __mmask16 keep = 0xFFFF) {
-  __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(EXP_LOG2E), _mm512_set1_ps(0.5f)),
-                                   _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(EXP_LN2_HIGH), x);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(EXP_LN2_LOW), x);
-  __m512 y = _mm512_set1_ps(EXP_POLY[0]);
-  for (int c = 1; c < 6; ++c) y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(EXP_POLY[c]));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
-  __m512i pow2 = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mul_ps(keep, y, _mm512_castsi512_ps(pow2));
-}
-
-// exp8 on 16 lanes: inputs clamped to [-87, 88]
-inline __m512 exp16(__m512 x) {
-  return exp16_within(_mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f)));
-}
-#endif
 #endif
 
 // gate_up: [..., 2I] (gate, then up) -> silu(gate) * up: [..., I]
@@ -1221,14 +1202,6 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
     const float *g = src + r * two, *u = g + half;
     float* o = dst + r * half;
     int64_t j = 0;
-#ifdef KVSCOPE_AVX512
-    for (; j + 16 <= half; j += 16) {
-      __m512 gv = _mm512_loadu_ps(g + j);
-      __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-      __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-      _mm512_storeu_ps(o + j, _mm512_mul_ps(silu, _mm512_loadu_ps(u + j)));
-    }
-#endif
 #ifdef KVSCOPE_AVX2
     for (; j + 8 <= half; j += 8) {
       __m256 gv = _mm256_loadu_ps(g + j);
@@ -1292,7 +1265,16 @@ inline __m256 exp_nonpositive(__m256 x) {
 // exp8's steps, 16 lanes at a time (the same bits a lane); 0 below -87
 inline __m512 exp_nonpositive16(__m512 x) {
   __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
-  return exp16_within(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), static_cast<__mmask16>(~tiny));
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(EXP_LOG2E), _mm512_set1_ps(0.5f)),
+                                   _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(EXP_LN2_HIGH), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(EXP_LN2_LOW), x);
+  __m512 y = _mm512_set1_ps(EXP_POLY[0]);
+  for (int c = 1; c < 6; ++c) y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(EXP_POLY[c]));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+  __m512i pow2 = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~tiny), y, _mm512_castsi512_ps(pow2));
 }
 #endif
 #endif
