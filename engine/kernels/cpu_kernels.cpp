@@ -3991,6 +3991,12 @@ at::Tensor attend_layer(const at::Tensor& q, const at::Tensor& k, const at::Tens
                          where[4], ints[1], ints[2], ints[3]);
 }
 
+// the model's rotary tables cos, sin: [B, 1, T, D] -> the [B, T, D] views rope_qkv reads
+std::pair<at::Tensor, at::Tensor> rotary_rows(const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(cos.dim() == 4 && sin.dim() == 4, "cos, sin: [B, 1, T, D]");
+  return {cos.select(1, 0), sin.select(1, 0)};
+}
+
 // decoder_layer with cos, sin as [B, T, D] (decoder_layers selects them once a step)
 at::Tensor layer_of_step(at::Tensor& x, const at::Tensor& normed, const at::Tensor& cos, const at::Tensor& sin,
                          at::TensorList weights, c10::ArrayRef<int64_t> parts, at::TensorList norms, double eps,
@@ -4011,9 +4017,8 @@ at::Tensor decoder_layer(at::Tensor x, const at::Tensor& normed, const at::Tenso
                          std::vector<at::Tensor> weights, std::vector<int64_t> parts, std::vector<at::Tensor> norms,
                          double eps, int64_t hq, int64_t hkv, std::vector<at::Tensor> kv, std::vector<int64_t> kv_parts,
                          std::vector<at::Tensor> where, std::vector<int64_t> ints) {
-  TORCH_CHECK(cos.dim() == 4 && sin.dim() == 4, "cos, sin: [B, 1, T, D]");
-  return layer_of_step(x, normed, cos.select(1, 0), sin.select(1, 0), weights, parts, norms, eps, hq, hkv, kv,
-                       kv_parts, where, ints);
+  auto [cos3, sin3] = rotary_rows(cos, sin);
+  return layer_of_step(x, normed, cos3, sin3, weights, parts, norms, eps, hq, hkv, kv, kv_parts, where, ints);
 }
 
 // the next n items of v from `at` (advanced), checked against v's end: a view of them, not a copy
@@ -4039,8 +4044,7 @@ at::Tensor decoder_layers(at::Tensor x, at::Tensor normed, const at::Tensor& cos
   TORCH_CHECK(parts.size() == 4 * layers && norms.size() == 2 * layers && heads.size() == 2 * layers &&
                   counts.size() == 4 * layers,
               "decoder_layers: per layer 4 parts, 2 norms, an eps, 2 heads and 4 counts");
-  TORCH_CHECK(cos.dim() == 4 && sin.dim() == 4, "cos, sin: [B, 1, T, D]");
-  const at::Tensor cos3 = cos.select(1, 0), sin3 = sin.select(1, 0);
+  const auto [cos3, sin3] = rotary_rows(cos, sin);
   size_t w = 0, n = 0, k = 0, kp = 0, wh = 0, in = 0, p = 0;
   ArenaScope arenas;
   for (size_t i = 0; i < layers; ++i) {
