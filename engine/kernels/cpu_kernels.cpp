@@ -3451,7 +3451,7 @@ inline std::vector<float>& scaled_queries() {
 // core's partials crossed to it alone: 4.4-5.2 us a layer at 4,096 tokens (2.0 us on one thread); in the tasks, a
 // two-thread step's serial cycles went 1.35M -> 1.05M (int4 KV) and 1.17M -> 0.90M (bfloat16; Xeon, rdtsc)
 template <typename MakeRows>
-at::Tensor run_attention(const at::Tensor& q, const StepMap& map, MakeRows make_rows) {
+at::Tensor run_attention(const at::Tensor& q, const StepMap& map, const MakeRows& make_rows) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: [B, Hq, T, D] float32");
   TORCH_CHECK(q.size(3) % 8 == 0, "head_dim must be a multiple of 8");
   int64_t b = q.size(0), hq = q.size(1), t = q.size(2), d = q.size(3);
@@ -3539,10 +3539,8 @@ struct FloatStores {
 };
 
 template <typename T>
-void write_rows(at::TensorList stores, const at::Tensor& x, const int32_t* store_of,
-                const int32_t* slot_of) {
+void write_rows(const StoreAddresses<T>& at_, const at::Tensor& x, const int32_t* store_of, const int32_t* slot_of) {
   int64_t b = x.size(0), h = x.size(1), t = x.size(2), d = x.size(3);
-  StoreAddresses<T> at_(stores);
   const float* src = x.data_ptr<float>();
   for (int64_t bi = 0; bi < b; ++bi)
     for (int64_t ti = 0; ti < t; ++ti) {
@@ -3554,33 +3552,6 @@ void write_rows(at::TensorList stores, const at::Tensor& x, const int32_t* store
     }
 }
 
-void check_stores(at::TensorList stores, at::ScalarType dtype, int64_t dims, const char* what);
-
-// a step's new keys and values k, v: [B, Hkv, T, D] float32 into their stores: token t of sequence b goes to
-// store store_of[b, t], slot slot_of[b, t] (store -1: a padding token, not written)
-void write_kv(at::TensorList k_stores, at::TensorList v_stores, const at::Tensor& k,
-              const at::Tensor& v, const at::Tensor& store_of, const at::Tensor& slot_of) {
-  TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes() &&
-                  k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              "k, v: contiguous float32 [B, Hkv, T, D]");
-  TORCH_CHECK(store_of.scalar_type() == at::kInt && slot_of.scalar_type() == at::kInt && store_of.is_contiguous() &&
-                  slot_of.is_contiguous() && store_of.numel() == k.size(0) * k.size(2) &&
-                  slot_of.numel() == store_of.numel(),
-              "store_of, slot_of: int32 [B, T]");
-  auto dtype = k_stores.empty() ? at::kFloat : k_stores[0].scalar_type();
-  check_stores(k_stores, dtype, 3, "keys");
-  check_stores(v_stores, dtype, 3, "values");
-  const int32_t *st = store_of.data_ptr<int32_t>(), *sl = slot_of.data_ptr<int32_t>();
-  for (auto [stores, x] : {std::pair{&k_stores, &k}, std::pair{&v_stores, &v}}) {
-    switch (dtype) {
-      case at::kFloat: write_rows<float>(*stores, *x, st, sl); break;
-      case at::kBFloat16: write_rows<c10::BFloat16>(*stores, *x, st, sl); break;
-      case at::kHalf: write_rows<c10::Half>(*stores, *x, st, sl); break;
-      default: TORCH_CHECK(false, "stores must be float32, bfloat16 or float16");
-    }
-  }
-}
-
 void check_stores(at::TensorList stores, at::ScalarType dtype, int64_t dims, const char* what) {
   TORCH_CHECK(!stores.empty(), what, ": at least one store");
   for (const auto& s : stores)
@@ -3588,26 +3559,80 @@ void check_stores(at::TensorList stores, at::ScalarType dtype, int64_t dims, con
                 ": stores of one dtype with contiguous rows");
 }
 
+// a float cache's key and value stores: their one dtype
+at::ScalarType check_float_stores(at::TensorList k_stores, at::TensorList v_stores) {
+  TORCH_CHECK(k_stores.size() == v_stores.size(), "one value store per key store");
+  auto dtype = k_stores.empty() ? at::kFloat : k_stores[0].scalar_type();
+  check_stores(k_stores, dtype, 3, "keys");
+  check_stores(v_stores, dtype, 3, "values");
+  return dtype;
+}
+
+void check_float_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& store_of,
+                       const at::Tensor& slot_of) {
+  TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes() &&
+                  k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "k, v: contiguous float32 [B, Hkv, T, D]");
+  TORCH_CHECK(store_of.scalar_type() == at::kInt && slot_of.scalar_type() == at::kInt && store_of.is_contiguous() &&
+                  slot_of.is_contiguous() && store_of.numel() == k.size(0) * k.size(2) &&
+                  slot_of.numel() == store_of.numel(),
+              "store_of, slot_of: int32 [B, T]");
+}
+
+// f(T{}) for the stores' element type T
+template <typename F>
+decltype(auto) with_store_type(at::ScalarType dtype, F f) {
+  switch (dtype) {
+    case at::kFloat: return f(float{});
+    case at::kBFloat16: return f(c10::BFloat16{});
+    case at::kHalf: return f(c10::Half{});
+    default: TORCH_CHECK(false, "stores must be float32, bfloat16 or float16");
+  }
+}
+
+// a step's new keys and values k, v: [B, Hkv, T, D] float32 into their stores: token t of sequence b goes to
+// store store_of[b, t], slot slot_of[b, t] (store -1: a padding token, not written)
+void write_kv(at::TensorList k_stores, at::TensorList v_stores, const at::Tensor& k,
+              const at::Tensor& v, const at::Tensor& store_of, const at::Tensor& slot_of) {
+  check_float_write(k, v, store_of, slot_of);
+  auto dtype = check_float_stores(k_stores, v_stores);
+  const int32_t *st = store_of.data_ptr<int32_t>(), *sl = slot_of.data_ptr<int32_t>();
+  with_store_type(dtype, [&](auto element) {
+    using T = decltype(element);
+    write_rows(StoreAddresses<T>(k_stores), k, st, sl);
+    write_rows(StoreAddresses<T>(v_stores), v, st, sl);
+  });
+}
+
 // q: [B, Hq, T, D] float32; stores [Hkv, slots, D] (float32, bfloat16 or float16); token p of sequence b sits in
 // store block_store[blk], slot block_start[blk] + p % block_size, blk = table[b, p / block_size]; q_pos: [B, T]
 at::Tensor attention(const at::Tensor& q, at::TensorList k_stores, at::TensorList v_stores,
                      const at::Tensor& table, const at::Tensor& block_store, const at::Tensor& block_start,
                      int64_t block_size, const at::Tensor& q_pos) {
-  TORCH_CHECK(k_stores.size() == v_stores.size(), "one value store per key store");
-  auto dtype = k_stores.empty() ? at::kFloat : k_stores[0].scalar_type();
-  check_stores(k_stores, dtype, 3, "keys");
-  check_stores(v_stores, dtype, 3, "values");
+  auto dtype = check_float_stores(k_stores, v_stores);
   StepMap map = step_map(table, block_store, block_start, block_size, q_pos);
-  switch (dtype) {
-    case at::kFloat:
-      return run_attention(q, map, FloatStores<float>{{k_stores}, {v_stores}, map, k_stores[0].size(0)});
-    case at::kBFloat16:
-      return run_attention(q, map, FloatStores<c10::BFloat16>{{k_stores}, {v_stores}, map, k_stores[0].size(0)});
-    case at::kHalf:
-      return run_attention(q, map, FloatStores<c10::Half>{{k_stores}, {v_stores}, map, k_stores[0].size(0)});
-    default:
-      TORCH_CHECK(false, "stores must be float32, bfloat16 or float16");
-  }
+  return with_store_type(dtype, [&](auto element) {
+    using T = decltype(element);
+    return run_attention(q, map, FloatStores<T>{{k_stores}, {v_stores}, map, k_stores[0].size(0)});
+  });
+}
+
+// write_kv then attention, the stores checked and their addresses found once for both (the one-call layer)
+at::Tensor write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::TensorList k_stores,
+                            at::TensorList v_stores, const at::Tensor& table, const at::Tensor& block_store,
+                            const at::Tensor& block_start, int64_t block_size, const at::Tensor& q_pos,
+                            const at::Tensor& store_of, const at::Tensor& slot_of) {
+  check_float_write(k, v, store_of, slot_of);
+  auto dtype = check_float_stores(k_stores, v_stores);
+  StepMap map = step_map(table, block_store, block_start, block_size, q_pos);
+  const int32_t *st = store_of.data_ptr<int32_t>(), *sl = slot_of.data_ptr<int32_t>();
+  return with_store_type(dtype, [&](auto element) {
+    using T = decltype(element);
+    FloatStores<T> stores{{k_stores}, {v_stores}, map, k_stores[0].size(0)};
+    write_rows(stores.k, k, st, sl);
+    write_rows(stores.v, v, st, sl);
+    return run_attention(q, map, stores);
+  });
 }
 
 // the windows hold residual + block_size rows (what the sequence keeps in full precision at most)
@@ -3845,17 +3870,14 @@ void quantize_block(const float* kwin, const float* vwin, int64_t bs, int64_t d,
 // writes of a quantized cache: each new token goes to its sequence's window (row p % W); when the
 // sequence then has `residual` tokens after a block, that block is quantized into its store (see the head)
 template <int BITS>
-void write_quant(at::TensorList k_stores, at::TensorList v_stores,
-                 at::TensorList k_params, at::TensorList v_params,
-                 at::TensorList k_windows, at::TensorList v_windows,
-                 const at::Tensor& k, const at::Tensor& v, const StepMap& map, const int32_t* upto,
-                 int64_t residual, int64_t sink, bool tiled) {
+void write_quant(const QuantStores<BITS>& st, const at::Tensor& k, const at::Tensor& v) {
+  const StepMap& map = st.map;
+  const int32_t* upto = st.upto;
+  const int64_t residual = st.residual, sink = st.sink, ring = st.ring;
+  const bool tiled = st.tiled;
+  const auto &kq = st.k, &vq = st.v, &kw = st.k_window, &vw = st.v_window;
+  const auto &kp = st.k_param, &vp = st.v_param;
   int64_t b = k.size(0), h = k.size(1), t = k.size(2), d = k.size(3), bs = map.block_size;
-  int64_t ring = k_windows[0].size(1) - sink;
-  StoreAddresses<uint8_t> kq(k_stores), vq(v_stores);
-  StoreAddresses<KeyParam<BITS>> kp(k_params);
-  StoreAddresses<at::Half> vp(v_params);
-  StoreAddresses<WindowRow<BITS>> kw(k_windows), vw(v_windows);
   const float *kx = k.data_ptr<float>(), *vx = v.data_ptr<float>();
   thread_local std::vector<uint8_t*> k_rows, v_rows;  // (kept between calls: a layer's write is a call a step)
   thread_local std::vector<uint16_t*> v_prm;
@@ -3903,6 +3925,40 @@ void write_quant(at::TensorList k_stores, at::TensorList v_stores,
     }
 }
 
+void check_quant_write(const at::Tensor& k, const at::Tensor& v, at::TensorList k_windows) {
+  TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes() &&
+                  k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "k, v: contiguous float32 [B, Hkv, T, D]");
+  TORCH_CHECK(static_cast<int64_t>(k_windows.size()) == k.size(0), "one window per sequence");
+  TORCH_CHECK(k.size(3) % 16 == 0, "head_dim must be a multiple of 16");
+}
+
+void check_quant_attention(const at::Tensor& q, at::TensorList k_windows, int64_t block_size, int64_t bits) {
+  TORCH_CHECK(k_windows.size() == static_cast<size_t>(q.size(0)), "one window per sequence");
+  TORCH_CHECK(block_size >= 1 && block_size <= MAX_QUANT_BLOCK, "quantized KV: block_size from 1 to ",
+              MAX_QUANT_BLOCK);
+  TORCH_CHECK(q.size(3) % 16 == 0 && (bits == 8 || q.size(3) <= 256),
+              "head_dim must be a multiple of 16 (int4: up to 256)");
+}
+
+// a quantized cache's stores, as its write and its attention read them (checked), for f(QuantStores<BITS>)
+template <typename F>
+decltype(auto) with_quant_stores(at::TensorList k_stores, at::TensorList v_stores, at::TensorList k_params,
+                                 at::TensorList v_params, at::TensorList k_windows, at::TensorList v_windows,
+                                 const StepMap& map, const at::Tensor& upto, int64_t residual, int64_t sink,
+                                 int64_t bits, int64_t d, F f) {
+  check_quant_stores(bits, k_stores, v_stores, k_params, v_params, k_windows, v_windows);
+  check_ring(k_windows, upto, residual, sink, map.block_size, static_cast<int64_t>(k_windows.size()));
+  bool tiled = tiled_stores(bits, d, map.block_size, k_stores, v_stores);
+  int64_t hkv = k_stores[0].size(0), ring = k_windows[0].size(1) - sink;
+  const int32_t* up = upto.data_ptr<int32_t>();
+  if (bits == 8)
+    return f(QuantStores<8>{{k_stores}, {v_stores}, {k_params}, {v_params}, {k_windows}, {v_windows}, map, hkv, up,
+                            residual, ring, sink, tiled});
+  return f(QuantStores<4>{{k_stores}, {v_stores}, {k_params}, {v_params}, {k_windows}, {v_windows}, map, hkv, up,
+                          residual, ring, sink, tiled});
+}
+
 // k, v: the step's new keys and values [B, Hkv, T, D] float32 at the positions q_pos gives; upto: int32 [B]
 void write_kv_quant(at::TensorList k_stores, at::TensorList v_stores,
                     at::TensorList k_params, at::TensorList v_params,
@@ -3910,21 +3966,11 @@ void write_kv_quant(at::TensorList k_stores, at::TensorList v_stores,
                     const at::Tensor& v, const at::Tensor& table, const at::Tensor& block_store,
                     const at::Tensor& block_start, int64_t block_size, const at::Tensor& q_pos, const at::Tensor& upto,
                     int64_t residual, int64_t sink, int64_t bits) {
-  TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes() &&
-                  k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              "k, v: contiguous float32 [B, Hkv, T, D]");
-  TORCH_CHECK(static_cast<int64_t>(k_windows.size()) == k.size(0), "one window per sequence");
-  TORCH_CHECK(k.size(3) % 16 == 0, "head_dim must be a multiple of 16");
-  check_quant_stores(bits, k_stores, v_stores, k_params, v_params, k_windows, v_windows);
+  check_quant_write(k, v, k_windows);
   StepMap map = step_map(table, block_store, block_start, block_size, q_pos);
   TORCH_CHECK(map.t == k.size(2) && q_pos.size(0) == k.size(0), "q_pos: [B, T] for the new tokens");
-  check_ring(k_windows, upto, residual, sink, block_size, k.size(0));
-  bool tiled = tiled_stores(bits, k.size(3), block_size, k_stores, v_stores);
-  const int32_t* up = upto.data_ptr<int32_t>();
-  if (bits == 8)
-    write_quant<8>(k_stores, v_stores, k_params, v_params, k_windows, v_windows, k, v, map, up, residual, sink, tiled);
-  else
-    write_quant<4>(k_stores, v_stores, k_params, v_params, k_windows, v_windows, k, v, map, up, residual, sink, tiled);
+  with_quant_stores(k_stores, v_stores, k_params, v_params, k_windows, v_windows, map, upto, residual, sink, bits,
+                    k.size(3), [&](const auto& stores) { write_quant(stores, k, v); });
 }
 
 // a quantized cache: as `attention`, over codes and their scales, and per sequence a window holding its
@@ -3935,22 +3981,25 @@ at::Tensor attention_quant(const at::Tensor& q, at::TensorList k_stores, at::Ten
                            const at::Tensor& table, const at::Tensor& block_store, const at::Tensor& block_start,
                            int64_t block_size, const at::Tensor& q_pos, const at::Tensor& upto, int64_t residual,
                            int64_t sink, int64_t bits) {
-  TORCH_CHECK(k_windows.size() == static_cast<size_t>(q.size(0)), "one window per sequence");
-  TORCH_CHECK(block_size >= 1 && block_size <= MAX_QUANT_BLOCK, "quantized KV: block_size from 1 to ",
-              MAX_QUANT_BLOCK);
-  TORCH_CHECK(q.size(3) % 16 == 0 && (bits == 8 || q.size(3) <= 256),
-              "head_dim must be a multiple of 16 (int4: up to 256)");
-  check_quant_stores(bits, k_stores, v_stores, k_params, v_params, k_windows, v_windows);
-  check_ring(k_windows, upto, residual, sink, block_size, q.size(0));
-  bool tiled = tiled_stores(bits, q.size(3), block_size, k_stores, v_stores);
+  check_quant_attention(q, k_windows, block_size, bits);
   StepMap map = step_map(table, block_store, block_start, block_size, q_pos);
-  int64_t hkv = k_stores[0].size(0), ring = k_windows[0].size(1) - sink;
-  const int32_t* up = upto.data_ptr<int32_t>();
-  if (bits == 8)
-    return run_attention(q, map, QuantStores<8>{{k_stores}, {v_stores}, {k_params}, {v_params}, {k_windows},
-                                                {v_windows}, map, hkv, up, residual, ring, sink, tiled});
-  return run_attention(q, map, QuantStores<4>{{k_stores}, {v_stores}, {k_params}, {v_params}, {k_windows},
-                                              {v_windows}, map, hkv, up, residual, ring, sink, tiled});
+  return with_quant_stores(k_stores, v_stores, k_params, v_params, k_windows, v_windows, map, upto, residual, sink,
+                           bits, q.size(3), [&](const auto& stores) { return run_attention(q, map, stores); });
+}
+
+// write_kv_quant then attention_quant, the stores checked and their addresses found once for both
+at::Tensor write_and_attend_quant(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  c10::ArrayRef<at::TensorList> g, at::TensorList where, c10::ArrayRef<int64_t> ints) {
+  int64_t block_size = ints[0], residual = ints[1], sink = ints[2], bits = ints[3];
+  check_quant_write(k, v, g[4]);
+  check_quant_attention(q, g[4], block_size, bits);
+  StepMap map = step_map(where[0], where[1], where[2], block_size, where[3]);
+  TORCH_CHECK(map.t == k.size(2) && where[3].size(0) == k.size(0), "q_pos: [B, T] for the new tokens");
+  return with_quant_stores(g[0], g[1], g[2], g[3], g[4], g[5], map, where[4], residual, sink, bits, q.size(3),
+                           [&](const auto& stores) {
+                             write_quant(stores, k, v);
+                             return run_attention(q, map, stores);
+                           });
 }
 
 // ---------------------------------------------------------------- one decoder layer of a decode step, in one call
@@ -3990,13 +4039,9 @@ at::Tensor attend_layer(const at::Tensor& q, const at::Tensor& k, const at::Tens
                   (g.size() == 6 && where.size() == 5 && ints.size() == 4),
               "kv: 2 groups (float) or 6 (quantized), with their where and ints");
   if (g.size() == 2) {
-    write_kv(g[0], g[1], k, v, where[4], where[5]);
-    return attention(q, g[0], g[1], where[0], where[1], where[2], ints[0], where[3]);
+    return write_and_attend(q, k, v, g[0], g[1], where[0], where[1], where[2], ints[0], where[3], where[4], where[5]);
   }
-  write_kv_quant(g[0], g[1], g[2], g[3], g[4], g[5], k, v, where[0], where[1], where[2], ints[0], where[3], where[4],
-                 ints[1], ints[2], ints[3]);
-  return attention_quant(q, g[0], g[1], g[2], g[3], g[4], g[5], where[0], where[1], where[2], ints[0], where[3],
-                         where[4], ints[1], ints[2], ints[3]);
+  return write_and_attend_quant(q, k, v, g, where, ints);
 }
 
 // the model's rotary tables cos, sin: [B, 1, T, D] -> the [B, T, D] views rope_qkv reads
