@@ -105,6 +105,16 @@ def test_a_decode_row_gives_the_bits_it_gives_among_prefill_rows(d):
     assert torch.equal(alone[:, 0], among[:, -1])
 
 
+def test_padding_rows_give_zeros_and_leave_the_other_rows_bits():
+    # rows 4-15 pad the first group of 16 query rows; rows 16-19 are a whole group of padding (no key tile at all)
+    q, keys, values = inputs(64, torch.bfloat16, rows=20)
+    positions = list(range(TOKENS - 4, TOKENS))
+    padded = attend(q, keys, values, positions + [-1] * 16)
+    alone = attend(q[:, :, :4], keys, values, positions)
+    assert torch.equal(padded[:, :4], alone)
+    assert torch.equal(padded[:, 4:], torch.zeros_like(padded[:, 4:]))
+
+
 @pytest.mark.parametrize("d", HEAD_DIMS)
 def test_a_sequence_gives_the_same_bits_alone_and_beside_another(d):
     q, keys, values = inputs(d, torch.float16)
