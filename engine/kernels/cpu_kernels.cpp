@@ -3568,11 +3568,16 @@ at::ScalarType check_float_stores(at::TensorList k_stores, at::TensorList v_stor
   return dtype;
 }
 
-void check_float_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& store_of,
-                       const at::Tensor& slot_of) {
+// a step's new keys and values, as every KV write reads them
+void check_new_kv(const at::Tensor& k, const at::Tensor& v) {
   TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes() &&
                   k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "k, v: contiguous float32 [B, Hkv, T, D]");
+}
+
+void check_float_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& store_of,
+                       const at::Tensor& slot_of) {
+  check_new_kv(k, v);
   TORCH_CHECK(store_of.scalar_type() == at::kInt && slot_of.scalar_type() == at::kInt && store_of.is_contiguous() &&
                   slot_of.is_contiguous() && store_of.numel() == k.size(0) * k.size(2) &&
                   slot_of.numel() == store_of.numel(),
@@ -3925,12 +3930,12 @@ void write_quant(const QuantStores<BITS>& st, const at::Tensor& k, const at::Ten
     }
 }
 
-void check_quant_write(const at::Tensor& k, const at::Tensor& v, at::TensorList k_windows) {
-  TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes() &&
-                  k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              "k, v: contiguous float32 [B, Hkv, T, D]");
+void check_quant_write(const at::Tensor& k, const at::Tensor& v, at::TensorList k_windows, const StepMap& map,
+                       const at::Tensor& q_pos) {
+  check_new_kv(k, v);
   TORCH_CHECK(static_cast<int64_t>(k_windows.size()) == k.size(0), "one window per sequence");
   TORCH_CHECK(k.size(3) % 16 == 0, "head_dim must be a multiple of 16");
+  TORCH_CHECK(map.t == k.size(2) && q_pos.size(0) == k.size(0), "q_pos: [B, T] for the new tokens");
 }
 
 void check_quant_attention(const at::Tensor& q, at::TensorList k_windows, int64_t block_size, int64_t bits) {
@@ -3966,9 +3971,8 @@ void write_kv_quant(at::TensorList k_stores, at::TensorList v_stores,
                     const at::Tensor& v, const at::Tensor& table, const at::Tensor& block_store,
                     const at::Tensor& block_start, int64_t block_size, const at::Tensor& q_pos, const at::Tensor& upto,
                     int64_t residual, int64_t sink, int64_t bits) {
-  check_quant_write(k, v, k_windows);
   StepMap map = step_map(table, block_store, block_start, block_size, q_pos);
-  TORCH_CHECK(map.t == k.size(2) && q_pos.size(0) == k.size(0), "q_pos: [B, T] for the new tokens");
+  check_quant_write(k, v, k_windows, map, q_pos);
   with_quant_stores(k_stores, v_stores, k_params, v_params, k_windows, v_windows, map, upto, residual, sink, bits,
                     k.size(3), [&](const auto& stores) { write_quant(stores, k, v); });
 }
@@ -3991,10 +3995,9 @@ at::Tensor attention_quant(const at::Tensor& q, at::TensorList k_stores, at::Ten
 at::Tensor write_and_attend_quant(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   c10::ArrayRef<at::TensorList> g, at::TensorList where, c10::ArrayRef<int64_t> ints) {
   int64_t block_size = ints[0], residual = ints[1], sink = ints[2], bits = ints[3];
-  check_quant_write(k, v, g[4]);
-  check_quant_attention(q, g[4], block_size, bits);
   StepMap map = step_map(where[0], where[1], where[2], block_size, where[3]);
-  TORCH_CHECK(map.t == k.size(2) && where[3].size(0) == k.size(0), "q_pos: [B, T] for the new tokens");
+  check_quant_write(k, v, g[4], map, where[3]);
+  check_quant_attention(q, g[4], block_size, bits);
   return with_quant_stores(g[0], g[1], g[2], g[3], g[4], g[5], map, where[4], residual, sink, bits, q.size(3),
                            [&](const auto& stores) {
                              write_quant(stores, k, v);
