@@ -2043,7 +2043,7 @@ struct QuantScratch {
   std::vector<const WindowRow<BITS>*> window_k, window_v;
   std::vector<int64_t> last;
   std::vector<float> scale, minimum, weights, bias;  // weigh_quantized
-  std::vector<int64_t> active;
+  std::vector<int64_t> active, counts;
   std::vector<float> dw, qs, raw;  // the integer paths' weight grids, query scratch, the float path's codes
   std::vector<const float*> raw_rows;
   std::vector<uint8_t> w8, unpacked;
@@ -2453,36 +2453,39 @@ inline __m512i pack_bytes(__m512i a, __m512i b, __m512i c, __m512i d) {
 }
 
 // up to four vectors q[v] against one block (its parameters `param`): their QueryParts. The block's scales (and
-// int4 minimums) are read into registers once for all of them; x = q * scale is computed twice (for its maximum,
-// then for its codes) rather than stored and reloaded, int8's two parts are split in 16-bit lanes and the codes
-// are packed 64 at a time (bytes past D are zeros). D16: d / 16 where known when compiled, else 0.
+// int4 minimums) are read into registers once for all of them, and x = q * scale stays in registers between its
+// maximum and its codes. int4's super scales factor out: x is formed with the 8-bit scale codes (the grid 127 /
+// max |x| is the same) and s_super goes into dq, m_super into the bias. int8's two parts are split in 16-bit lanes
+// and the codes are packed 64 at a time (bytes past D are zeros). D16: d / 16 where known when compiled, else 0.
 template <int BITS, int D16>
 inline void query_parts(const float* const* q, int nv, const uint16_t* param, int64_t d_, QueryParts* const* out) {
   const int64_t d = D16 ? D16 * 16 : d_, regs = d / 16;
-  __m512 sc[16], mn[16];  // d <= 256
+  constexpr int64_t MAX_REGS = D16 ? D16 : 16;  // d <= 256
+  __m512 sc[MAX_REGS], mn[MAX_REGS];
   auto bytes = reinterpret_cast<const uint8_t*>(param);
-  auto [s_super, m_super] = BITS == 4 ? int4_supers(param, d) : std::pair<float, float>{0.f, 0.f};
+  auto [s_super, m_super] = BITS == 4 ? int4_supers(param, d) : std::pair<float, float>{1.f, 0.f};
   for (int64_t j = 0; j < regs; ++j) {
     if constexpr (BITS == 8) {
       sc[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(param + 16 * j)));
     } else {
       __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16 * j));
       __m128i m8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + d + 16 * j));
-      sc[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(s8)), _mm512_set1_ps(s_super));
-      mn[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(m8)), _mm512_set1_ps(m_super));
+      sc[j] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(s8));
+      mn[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(m8));
     }
   }
-  __m512 amax[4], b[4];
+  __m512 amax[4], b[4], x[4][MAX_REGS];
   for (int v = 0; v < 4; ++v) amax[v] = b[v] = _mm512_setzero_ps();
   for (int v = 0; v < nv; ++v)
     for (int64_t j = 0; j < regs; ++j) {
       __m512 qj = _mm512_loadu_ps(q[v] + 16 * j);
-      amax[v] = _mm512_max_ps(amax[v], _mm512_abs_ps(_mm512_mul_ps(qj, sc[j])));
+      x[v][j] = _mm512_mul_ps(qj, sc[j]);
+      amax[v] = _mm512_max_ps(amax[v], _mm512_abs_ps(x[v][j]));
       if constexpr (BITS == 4) b[v] = _mm512_fmadd_ps(qj, mn[j], b[v]);
     }
   alignas(16) float top[4], bias[4];
   _mm_store_ps(top, reduce4<true>(amax[0], amax[1], amax[2], amax[3]));
-  _mm_store_ps(bias, reduce4<false>(b[0], b[1], b[2], b[3]));
+  if constexpr (BITS == 4) _mm_store_ps(bias, reduce4<false>(b[0], b[1], b[2], b[3]));
   const float grid = QUERY_GRID<BITS>;
   for (int v = 0; v < nv; ++v) {
     const __m512 vinv = _mm512_set1_ps(top[v] > 0.f ? grid / top[v] : 0.f);
@@ -2490,9 +2493,7 @@ inline void query_parts(const float* const* q, int nv, const uint16_t* param, in
     for (int64_t j0 = 0; j0 < regs; j0 += 4) {
       __m512i xi[4];
       for (int64_t u = 0; u < 4; ++u)
-        xi[u] = j0 + u < regs ? _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(q[v] + 16 * (j0 + u)),
-                                                                               sc[j0 + u]), vinv))
-                              : _mm512_setzero_si512();
+        xi[u] = j0 + u < regs ? _mm512_cvtps_epi32(_mm512_mul_ps(x[v][j0 + u], vinv)) : _mm512_setzero_si512();
       if constexpr (BITS == 4) {  // one part: |x| <= 127
         _mm512_store_si512(out[v]->hi + 16 * j0, pack_bytes(xi[0], xi[1], xi[2], xi[3]));
         continue;
@@ -2507,8 +2508,8 @@ inline void query_parts(const float* const* q, int nv, const uint16_t* param, in
       _mm512_store_si512(out[v]->hi + 16 * j0, in_channel_order(_mm512_packs_epi16(hi[0], hi[1])));
       _mm512_store_si512(out[v]->lo + 16 * j0, in_channel_order(_mm512_packs_epi16(lo[0], lo[1])));
     }
-    out[v]->dq = top[v] / grid;
-    out[v]->bias = BITS == 4 ? bias[v] : 0.f;
+    out[v]->dq = top[v] * s_super / grid;
+    out[v]->bias = BITS == 4 ? bias[v] * m_super : 0.f;
     out[v]->offset = BITS == 8 ? 128 * _mm512_reduce_add_epi32(total) : 0;
   }
 }
@@ -2599,7 +2600,7 @@ void score_block_512(const float* q, const uint8_t* const* code, const uint16_t*
                      int64_t nq, int64_t d, int64_t s, int64_t e, int64_t k0, float* scores, int64_t padded,
                      Prefetches* ahead, bool tiled) {
   int64_t chunks = (e - s + TOKENS_512 - 1) / TOKENS_512;
-  int each = static_cast<int>((ahead->left() + chunks * (nq + 1)) / (chunks * (nq + 1) + 1));  // a share a step
+  int each = ahead->left() ? static_cast<int>((ahead->left() + chunks * (nq + 1)) / (chunks * (nq + 1) + 1)) : 0;  // a share a step
   __m512i quads[64];
   QueryParts few[8];  // a decode row's vectors on the stack: a thread_local costs a call into the loader
   QueryParts* parts = nq <= 8 ? few : many_query_parts(nq);
@@ -2882,21 +2883,54 @@ __attribute__((noinline)) void untiled_quad(const uint8_t* const* rows, int64_t 
   quad_codes<BITS>(four, d, out);
 }
 
-// weigh_int_values' sums by vpdpbusd, four tokens a lane: part_i[2..] = chunk by chunk fma(sums, dw, part_i) + bias_i.
-// tiled: rows in tiles (kv_tiled), the first at position `first`
+// one vector's softmax weights e[0..m) times the tokens' value scales, w = e * scale, onto weights_8bit's grids for
+// the chunks of [0, n) (the same integers: zeros from m), in registers (the float weights stored by one pass and
+// loaded by the next took ~13% of an int4 attention); returns the sum of e * minimum (int4's bias; 16 lanes, then theirs)
 template <int BITS>
-void weigh_values_512(const uint8_t* const* rows, int64_t n, int64_t ahead, int64_t d,
-                      const std::vector<int64_t>& active, const float* weights, int64_t stride_w, const float* bias,
-                      float* part, int64_t stride, QuantScratch<BITS>& scratch, bool tiled, int64_t first) {
+inline float fold_weights_8bit(const float* e, const float* scale, const float* minimum, int64_t m, int64_t n,
+                               uint8_t* w8, float* dw) {
+  __m512 bias = _mm512_setzero_ps();
+  for (int64_t c0 = 0; c0 < n; c0 += WEIGHT_CHUNK) {
+    int64_t k = std::clamp<int64_t>(m - c0, 0, WEIGHT_CHUNK);
+    const __mmask16 first = static_cast<__mmask16>(k >= 16 ? 0xFFFF : (1u << k) - 1);
+    const __mmask16 second = static_cast<__mmask16>(k >= 32 ? 0xFFFF : k <= 16 ? 0 : (1u << (k - 16)) - 1);
+    __m512 e0 = _mm512_maskz_loadu_ps(first, e + c0), e1 = _mm512_maskz_loadu_ps(second, e + c0 + 16);
+    __m512 x0 = _mm512_mul_ps(e0, _mm512_maskz_loadu_ps(first, scale + c0));
+    __m512 x1 = _mm512_mul_ps(e1, _mm512_maskz_loadu_ps(second, scale + c0 + 16));
+    if constexpr (BITS == 4) {
+      bias = _mm512_fmadd_ps(e0, _mm512_maskz_loadu_ps(first, minimum + c0), bias);
+      bias = _mm512_fmadd_ps(e1, _mm512_maskz_loadu_ps(second, minimum + c0 + 16), bias);
+    }
+    __m512 top16 = _mm512_max_ps(x0, x1);
+    float wmax = hmax(_mm256_max_ps(_mm512_castps512_ps256(top16), _mm512_extractf32x8_ps(top16, 1)));
+    const __m512 vinv = _mm512_set1_ps(wmax > 0.f ? 255.f / wmax : 0.f);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(w8 + c0), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x0, vinv))));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(w8 + c0 + 16),
+                     _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x1, vinv))));
+    dw[c0 / WEIGHT_CHUNK] = wmax / 255.f;
+  }
+  return _mm512_reduce_add_ps(bias);
+}
+
+// weigh_int_values' sums by vpdpbusd, four tokens a lane: part_i[2..] = chunk by chunk fma(sums, dw, part_i) + bias_i,
+// for the active vectors' softmax weights (vector i's from scores + i * padded, counts[a] of them), each token's
+// value scale (int4: and minimum) folded in. tiled: rows in tiles (kv_tiled), the first at position `first`
+template <int BITS>
+void weigh_values_512(const uint8_t* const* rows, int64_t n, int64_t ahead, int64_t d, const std::vector<int64_t>& active,
+                      const std::vector<int64_t>& counts, const float* scores, int64_t padded, const float* scale,
+                      const float* minimum, float* part, int64_t stride, QuantScratch<BITS>& scratch, bool tiled,
+                      int64_t first) {
   int64_t regs = d / 16, chunks = (n + WEIGHT_CHUNK - 1) / WEIGHT_CHUNK, nv = active.size();
   auto &w8 = scratch.w8, &quads = scratch.quads;
-  auto& dw = scratch.dw;
+  auto &dw = scratch.dw, &bias = scratch.bias;
   auto& acc = scratch.acc512;
   w8.resize(nv * chunks * WEIGHT_CHUNK);
   dw.resize(nv * chunks);
+  bias.resize(nv);
   acc.resize(nv * regs);
   for (int64_t v = 0; v < nv; ++v) {
-    weights_8bit(weights + v * stride_w, n, w8.data() + v * chunks * WEIGHT_CHUNK, dw.data() + v * chunks);
+    bias[v] = fold_weights_8bit<BITS>(scores + active[v] * padded, scale, minimum, counts[v], n,
+                                      w8.data() + v * chunks * WEIGHT_CHUNK, dw.data() + v * chunks);
     const float* out = part + active[v] * stride + 2;
     for (int64_t r = 0; r < regs; ++r) acc[v * regs + r] = _mm512_loadu_ps(out + quad_channel(BITS, r, d));
   }
@@ -2933,19 +2967,12 @@ void weigh_values_512(const uint8_t* const* rows, int64_t n, int64_t ahead, int6
 #endif
 
 #ifdef KVSCOPE_AVX2
-// every active vector's values over the codes of [qstart, qstart + n): weights (float, `stride_w` apart, zeros past
-// a vector's last key) -> part_i[2..] = chunk by chunk fma(integer sums, dw, part_i), then + bias_i. tiled (only
-// where the AVX-512 path reads them, kv_tiled): rows in tiles, the first at position `first`
+// every active vector's values over the codes of [qstart, qstart + n) (rows, as stored): weights (float, `stride_w`
+// apart, zeros past a vector's last key) -> part_i[2..] = chunk by chunk fma(integer sums, dw, part_i), then + bias_i
 template <int BITS>
-inline void weigh_int_values(const uint8_t* const* rows, int64_t n, int64_t ahead, int64_t d,
-                             const std::vector<int64_t>& active, const float* weights, int64_t stride_w,
-                             const float* bias, float* part, int64_t stride, QuantScratch<BITS>& scratch, bool tiled,
-                             int64_t first) {
-#ifdef KVSCOPE_KV512
-  if (kv512_values(BITS, d))
-    return weigh_values_512<BITS>(rows, n, ahead, d, active, weights, stride_w, bias, part, stride, scratch, tiled,
-                                  first);
-#endif
+inline void weigh_int_values(const uint8_t* const* rows, int64_t n, int64_t d, const std::vector<int64_t>& active,
+                             const float* weights, int64_t stride_w, const float* bias, float* part, int64_t stride,
+                             QuantScratch<BITS>& scratch) {
   int64_t dp = padded_channels(d), regs = dp / 8, chunks = (n + WEIGHT_CHUNK - 1) / WEIGHT_CHUNK, nv = active.size();
   auto& w16 = scratch.w16;
   auto& dw = scratch.dw;
@@ -3175,10 +3202,11 @@ void score_quantized(const float* q, const QuantRows<BITS>& keys, const QuantRow
   Prefetches ahead;  // the lines of the positions PREFETCH_AHEAD on, issued while a block is scored (on the stack:
                      // a thread_local's address is a call into the loader, which the compiler repeats in loops)
   const uint8_t* rows[MAX_QUANT_BLOCK];
+  const int64_t share = (later.count() << 16) / std::max<int64_t>(1, qend - qstart);  // rows a position, in 65,536ths: no division a block
   for (int64_t s = qstart, e = qstart; s < qend; s = e) {
     const uint16_t* prm = keys.key_param(s);
     e = keys.block_end(s, qend);
-    later.fetch(keys, values, d, (e - qstart) * later.count() / (qend - qstart));
+    later.fetch(keys, values, d, e == qend ? later.count() : (e - qstart) * share >> 16);
     if (s == qstart) prefetch_codes(keys, values, s, s + PREFETCH_AHEAD, d * BITS / 8, d);
     ahead.clear();
     if (values_fetch_own(BITS, d))  // int8: spread over the block (int4's fewer lines: at once, measured faster)
@@ -3262,36 +3290,37 @@ void weigh_quantized(const float* scores, int64_t padded, const QuantRows<BITS>&
   int64_t n = qend - qstart, even = (n + 1) / 2 * 2, stride = d + 2;
   QuantScratch<BITS>& scratch = *values.scratch;
   auto &scale = scratch.scale, &minimum = scratch.minimum, &weights = scratch.weights, &bias = scratch.bias;
-  auto& active = scratch.active;
+  auto &active = scratch.active, &counts = scratch.counts;
   scale.assign(even, 0.f);
   minimum.assign(even, 0.f);
   value_params<BITS>(values.param + (qstart - values.first), n, scale.data(), minimum.data());
-  weights.resize(nq * even);
-  bias.resize(nq);
-  active.clear();
-  int64_t upto = 0;  // positions any vector weighs, from qstart
-  for (int64_t i = 0, run; i < nq; i += run) {  // the vectors of one row (one last key) fold three at a time
-    for (run = 1; i + run < nq && last[i + run] == last[i];) ++run;
-    if (qstart - k0 > last[i]) continue;
-    int64_t m = std::min(n, k0 + last[i] + 1 - qstart);
-    in_threes(run, [&](int64_t a, auto nv) {
+  active.clear();  // the vectors that weigh any of these positions, and how many each weighs
+  counts.clear();
+  for (int64_t i = 0; i < nq; ++i)
+    if (qstart - k0 <= last[i]) active.push_back(i), counts.push_back(std::min(n, k0 + last[i] + 1 - qstart));
+  const int64_t upto = counts.empty() ? 0 : *std::max_element(counts.begin(), counts.end());
+  const float* from = scores + qstart - k0;
+  const uint8_t* const* rows = values.code + (qstart - values.first);
+#ifdef KVSCOPE_KV512
+  if (KVSCOPE_INT_DOTS && kv512_values(BITS, d))
+    return weigh_values_512<BITS>(rows, upto, values.known - qstart - upto, d, active, counts, from, padded,
+                                  scale.data(), minimum.data(), part, stride, scratch, values.tiled, qstart);
+#endif
+  weights.resize(active.size() * even);
+  bias.resize(active.size());
+  for (size_t a = 0, run; a < active.size(); a += run) {  // vectors of one count (one query row's) fold three at a time
+    for (run = 1; a + run < active.size() && counts[a + run] == counts[a];) ++run;
+    in_threes(run, [&](int64_t b, auto nv) {
       constexpr int V = decltype(nv)::value;
       const float* e[V];
       float* w[V];
-      for (int v = 0; v < V; ++v) {
-        e[v] = scores + (i + a + v) * padded + qstart - k0;
-        w[v] = weights.data() + (active.size() + v) * even;
-      }
-      fold_weights<V>(e, scale.data(), minimum.data(), m, even, w, bias.data() + active.size());
-      for (int v = 0; v < V; ++v) active.push_back(i + a + v);
+      for (int v = 0; v < V; ++v) e[v] = from + active[a + b + v] * padded, w[v] = weights.data() + (a + b + v) * even;
+      fold_weights<V>(e, scale.data(), minimum.data(), counts[a], even, w, bias.data() + a + b);
     });
-    upto = std::max(upto, m);
   }
-  const uint8_t* const* rows = values.code + (qstart - values.first);
 #ifdef KVSCOPE_AVX2
   if constexpr (KVSCOPE_INT_DOTS)
-    return weigh_int_values<BITS>(rows, upto, values.known - qstart - upto, d, active, weights.data(), even,
-                                  bias.data(), part, stride, scratch, values.tiled, qstart);
+    return weigh_int_values<BITS>(rows, upto, d, active, weights.data(), even, bias.data(), part, stride, scratch);
   for (size_t a = 0; a < active.size(); a += 3) {  // three vectors at a time: 12 accumulators of 8 lanes
     const float* w[3];
     float* out[3];
