@@ -2600,7 +2600,8 @@ void score_block_512(const float* q, const uint8_t* const* code, const uint16_t*
                      int64_t nq, int64_t d, int64_t s, int64_t e, int64_t k0, float* scores, int64_t padded,
                      Prefetches* ahead, bool tiled) {
   int64_t chunks = (e - s + TOKENS_512 - 1) / TOKENS_512;
-  int each = ahead->left() ? static_cast<int>((ahead->left() + chunks * (nq + 1)) / (chunks * (nq + 1) + 1)) : 0;  // a share a step
+  const int64_t steps = chunks * (nq + 1) + 1;  // a step's share of the queued lines (none: no division)
+  int each = ahead->left() ? static_cast<int>((ahead->left() + steps - 1) / steps) : 0;
   __m512i quads[64];
   QueryParts few[8];  // a decode row's vectors on the stack: a thread_local costs a call into the loader
   QueryParts* parts = nq <= 8 ? few : many_query_parts(nq);
@@ -2743,28 +2744,35 @@ inline void add_bias(float* out, int64_t d, float bias) {
   for (int64_t j = 0; j < d; j += 8) _mm256_storeu_ps(out + j, _mm256_add_ps(_mm256_loadu_ps(out + j), _mm256_set1_ps(bias)));
 }
 
-// a vector's weights w[0..n) (>= 0) -> integers 0..255 (as T), one grid per WEIGHT_CHUNK tokens: w ~ dw[c] * w8,
+#ifdef KVSCOPE_AVX512
+// the lanes of a chunk of WEIGHT_CHUNK tokens that hold its first k (first: 0-15, second: 16-31)
+inline std::pair<__mmask16, __mmask16> chunk_lanes(int64_t k) {
+  return {static_cast<__mmask16>(k >= 16 ? 0xFFFF : (1u << k) - 1),
+          static_cast<__mmask16>(k >= 32 ? 0xFFFF : k <= 16 ? 0 : (1u << (k - 16)) - 1)};
+}
+
+// a chunk's weights x0, x1 (>= 0) -> integers 0..255 on its grid (q0, q1); returns the grid's step wmax / 255
+inline float on_8bit_grid(__m512 x0, __m512 x1, __m512i& q0, __m512i& q1) {
+  __m512 top16 = _mm512_max_ps(x0, x1);
+  float wmax = hmax(_mm256_max_ps(_mm512_castps512_ps256(top16), _mm512_extractf32x8_ps(top16, 1)));
+  const __m512 vinv = _mm512_set1_ps(wmax > 0.f ? 255.f / wmax : 0.f);
+  q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, vinv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, vinv));
+  return wmax / 255.f;
+}
+#endif
+
+// a vector's weights w[0..n) (>= 0) -> integers 0..255 (as int16), one grid per WEIGHT_CHUNK tokens: w ~ dw[c] * w8,
 // zeros from n to the last chunk's end (rounded to nearest, ties to even, as the vector conversion does)
-template <typename T>
-inline void weights_8bit(const float* w, int64_t n, T* w8, float* dw) {
+inline void weights_8bit(const float* w, int64_t n, int16_t* w8, float* dw) {
   for (int64_t c0 = 0; c0 < n; c0 += WEIGHT_CHUNK) {
     int64_t m = std::min(WEIGHT_CHUNK, n - c0);
 #ifdef KVSCOPE_AVX512  // the chunk in two registers (zeros past m), its integers narrowed in them: no copies
-    const __mmask16 first = static_cast<__mmask16>(m >= 16 ? 0xFFFF : (1u << m) - 1);
-    const __mmask16 second = static_cast<__mmask16>(m >= 32 ? 0xFFFF : m <= 16 ? 0 : (1u << (m - 16)) - 1);
-    __m512 x0 = _mm512_maskz_loadu_ps(first, w + c0), x1 = _mm512_maskz_loadu_ps(second, w + c0 + 16);
-    __m512 top16 = _mm512_max_ps(x0, x1);
-    __m256 top = _mm256_max_ps(_mm512_castps512_ps256(top16), _mm512_extractf32x8_ps(top16, 1));
-    float wmax = hmax(top), inv = wmax > 0.f ? 255.f / wmax : 0.f;
-    const __m512 vinv = _mm512_set1_ps(inv);
-    __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, vinv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, vinv));
-    if constexpr (sizeof(T) == 1) {  // 0..255: an integer's low byte (or word) is the integer
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(w8 + c0), _mm512_cvtepi32_epi8(q0));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(w8 + c0 + 16), _mm512_cvtepi32_epi8(q1));
-    } else {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w8 + c0), _mm512_cvtepi32_epi16(q0));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w8 + c0 + 16), _mm512_cvtepi32_epi16(q1));
-    }
+    auto [first, second] = chunk_lanes(m);
+    __m512i q0, q1;
+    dw[c0 / WEIGHT_CHUNK] = on_8bit_grid(_mm512_maskz_loadu_ps(first, w + c0), _mm512_maskz_loadu_ps(second, w + c0 + 16),
+                                         q0, q1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w8 + c0), _mm512_cvtepi32_epi16(q0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w8 + c0 + 16), _mm512_cvtepi32_epi16(q1));
 #else
     alignas(32) float x[WEIGHT_CHUNK] = {};
     std::copy_n(w + c0, m, x);
@@ -2775,9 +2783,9 @@ inline void weights_8bit(const float* w, int64_t n, T* w8, float* dw) {
     for (int64_t p = 0; p < WEIGHT_CHUNK; p += 8)
       _mm256_store_si256(reinterpret_cast<__m256i*>(q + p),
                          _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(x + p), _mm256_set1_ps(inv))));
-    for (int64_t p = 0; p < WEIGHT_CHUNK; ++p) w8[c0 + p] = static_cast<T>(q[p]);
-#endif
+    for (int64_t p = 0; p < WEIGHT_CHUNK; ++p) w8[c0 + p] = static_cast<int16_t>(q[p]);
     dw[c0 / WEIGHT_CHUNK] = wmax / 255.f;
+#endif
   }
 }
 
@@ -2891,9 +2899,7 @@ inline float fold_weights_8bit(const float* e, const float* scale, const float* 
                                uint8_t* w8, float* dw) {
   __m512 bias = _mm512_setzero_ps();
   for (int64_t c0 = 0; c0 < n; c0 += WEIGHT_CHUNK) {
-    int64_t k = std::clamp<int64_t>(m - c0, 0, WEIGHT_CHUNK);
-    const __mmask16 first = static_cast<__mmask16>(k >= 16 ? 0xFFFF : (1u << k) - 1);
-    const __mmask16 second = static_cast<__mmask16>(k >= 32 ? 0xFFFF : k <= 16 ? 0 : (1u << (k - 16)) - 1);
+    auto [first, second] = chunk_lanes(std::clamp<int64_t>(m - c0, 0, WEIGHT_CHUNK));
     __m512 e0 = _mm512_maskz_loadu_ps(first, e + c0), e1 = _mm512_maskz_loadu_ps(second, e + c0 + 16);
     __m512 x0 = _mm512_mul_ps(e0, _mm512_maskz_loadu_ps(first, scale + c0));
     __m512 x1 = _mm512_mul_ps(e1, _mm512_maskz_loadu_ps(second, scale + c0 + 16));
@@ -2901,13 +2907,10 @@ inline float fold_weights_8bit(const float* e, const float* scale, const float* 
       bias = _mm512_fmadd_ps(e0, _mm512_maskz_loadu_ps(first, minimum + c0), bias);
       bias = _mm512_fmadd_ps(e1, _mm512_maskz_loadu_ps(second, minimum + c0 + 16), bias);
     }
-    __m512 top16 = _mm512_max_ps(x0, x1);
-    float wmax = hmax(_mm256_max_ps(_mm512_castps512_ps256(top16), _mm512_extractf32x8_ps(top16, 1)));
-    const __m512 vinv = _mm512_set1_ps(wmax > 0.f ? 255.f / wmax : 0.f);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(w8 + c0), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x0, vinv))));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(w8 + c0 + 16),
-                     _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x1, vinv))));
-    dw[c0 / WEIGHT_CHUNK] = wmax / 255.f;
+    __m512i q0, q1;
+    dw[c0 / WEIGHT_CHUNK] = on_8bit_grid(x0, x1, q0, q1);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(w8 + c0), _mm512_cvtepi32_epi8(q0));  // 0..255: the low bytes
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(w8 + c0 + 16), _mm512_cvtepi32_epi8(q1));
   }
   return _mm512_reduce_add_ps(bias);
 }
@@ -3202,7 +3205,7 @@ void score_quantized(const float* q, const QuantRows<BITS>& keys, const QuantRow
   Prefetches ahead;  // the lines of the positions PREFETCH_AHEAD on, issued while a block is scored (on the stack:
                      // a thread_local's address is a call into the loader, which the compiler repeats in loops)
   const uint8_t* rows[MAX_QUANT_BLOCK];
-  const int64_t share = (later.count() << 16) / std::max<int64_t>(1, qend - qstart);  // rows a position, in 65,536ths: no division a block
+  const int64_t share = (later.count() << 16) / std::max<int64_t>(1, qend - qstart);  // rows a position, in 65,536ths
   for (int64_t s = qstart, e = qstart; s < qend; s = e) {
     const uint16_t* prm = keys.key_param(s);
     e = keys.block_end(s, qend);
