@@ -3493,7 +3493,8 @@ at::Tensor run_attention(const at::Tensor& q, const StepMap& map, const MakeRows
   constexpr int64_t ROWS = 16;
   int64_t row_groups = (t + ROWS - 1) / ROWS, hkv = make_rows.num_kv_heads(), group = hq / hkv;
   int64_t vectors = std::min(ROWS, t) * group, stride = d + 2;  // query vectors of a task at most
-  struct Unit { int64_t b, h, r0, rows, tiles, first_part; };  // (sequence, row group, KV head)
+  // (sequence, row group, KV head); last: the row group's last position (its tasks' key range ends there)
+  struct Unit { int64_t b, h, r0, rows, last, tiles, first_part; };
   struct Work { int64_t unit, tile; };
   c10::SmallVector<Unit, 8> units;  // (in place for a decode step's heads, and its tiles up to ~4,000 tokens)
   c10::SmallVector<Work, 64> work;
@@ -3505,7 +3506,7 @@ at::Tensor run_attention(const at::Tensor& q, const StepMap& map, const MakeRows
       int64_t tiles = (last + KEY_TILE) / KEY_TILE;  // 0 for a group of padding rows
       for (int64_t h = 0; h < hkv; ++h) {
         for (int64_t tile = 0; tile < tiles; ++tile) work.push_back({static_cast<int64_t>(units.size()), tile});
-        units.push_back({bi, h, r0, rows, tiles, parts});
+        units.push_back({bi, h, r0, rows, last, tiles, parts});
         parts += tiles;
       }
     }
@@ -3531,9 +3532,7 @@ at::Tensor run_attention(const at::Tensor& q, const StepMap& map, const MakeRows
     for (int64_t w = w0; w < w1; ++w) {
       const Unit& u = unit_of[tasks_of[w].unit];
       const int32_t* pos = map.q_pos + u.b * t + u.r0;
-      int64_t last = -1;
-      for (int64_t r = 0; r < u.rows; ++r) last = std::max<int64_t>(last, pos[r]);
-      int64_t k0 = tasks_of[w].tile * KEY_TILE, k1 = std::min(last + 1, k0 + KEY_TILE);
+      int64_t k0 = tasks_of[w].tile * KEY_TILE, k1 = std::min(u.last + 1, k0 + KEY_TILE);
       auto [keys, values] = make_rows(u.b, u.h, k0, k1);
       qg.assign(u.rows * group * d, 0.f);
       for (int64_t r = 0; r < u.rows; ++r)
