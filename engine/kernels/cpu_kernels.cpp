@@ -2645,8 +2645,9 @@ void score_block_512_any(const float* q, const uint8_t* const* code, const uint1
 
 #endif
 
-// whether the value phase prefetches its own codes (AVX-512: as it reads them, a steady distance ahead)
-inline bool values_fetch_own(int bits, int64_t d) {
+// whether a block's prefetches are spread over its scoring, its value codes sent to L2 (int8 on the AVX-512 path;
+// else all at once, the values' into L1)
+inline bool spread_prefetches(int bits, int64_t d) {
 #ifdef KVSCOPE_KV512
   return bits == 8 && kv512_values(bits, d);
 #else
@@ -2857,8 +2858,6 @@ inline void dpbusd_quads_any(const __m512i* quads, const uint8_t* w8, int64_t n,
   }
 }
 
-constexpr int64_t VALUES_AHEAD = 64;  // the value phase prefetches the codes of the positions this far on
-
 // a tiled quad of four tokens -> quad_codes' registers, as loaded
 template <int BITS>
 inline void quad_of_tile(const uint8_t* quad, int64_t d, __m512i* out) {
@@ -2919,7 +2918,7 @@ inline float fold_weights_8bit(const float* e, const float* scale, const float* 
 // for the active vectors' softmax weights (vector i's from scores + i * padded, counts[a] of them), each token's
 // value scale (int4: and minimum) folded in. tiled: rows in tiles (kv_tiled), the first at position `first`
 template <int BITS>
-void weigh_values_512(const uint8_t* const* rows, int64_t n, int64_t ahead, int64_t d, const std::vector<int64_t>& active,
+void weigh_values_512(const uint8_t* const* rows, int64_t n, int64_t d, const std::vector<int64_t>& active,
                       const std::vector<int64_t>& counts, const float* scores, int64_t padded, const float* scale,
                       const float* minimum, float* part, int64_t stride, QuantScratch<BITS>& scratch, bool tiled,
                       int64_t first) {
@@ -2940,9 +2939,6 @@ void weigh_values_512(const uint8_t* const* rows, int64_t n, int64_t ahead, int6
   quads.resize(WEIGHT_CHUNK / 4 * regs);
   for (int64_t p0 = 0, c = 0; p0 < n; p0 += WEIGHT_CHUNK, ++c) {
     int64_t m = std::min(WEIGHT_CHUNK, n - p0), nq = (m + 3) / 4;
-    int64_t fetch_to = values_fetch_own(BITS, d) ? std::min(n + ahead, p0 + VALUES_AHEAD + m) : 0;
-    for (int64_t r = p0 + VALUES_AHEAD; r < fetch_to; ++r)  // (the next tile's first rows too; tiles fill the rows')
-      prefetch_span(rows[r], rows[r] + d * BITS / 8, _MM_HINT_T0);
     for (int64_t r = 0; r < nq; ++r) {
       const uint8_t* const* at = rows + p0 + 4 * r;
       if (!tiled) {
@@ -3064,7 +3060,10 @@ void weigh_codes(const float* const* w, const uint8_t* const* rows, int64_t n, i
 
 // Reading a tile's codes from memory costs latency more than bandwidth (a row of int4 codes is 32 bytes for a
 // head of 64): while a block's keys are scored, the codes and scales of the positions PREFETCH_AHEAD further on
-// (the next tile's too) are fetched, the keys' into L1 and the values' (read after the softmax) into L2.
+// (the next tile's too) are fetched, the keys' into L1. int8's values (read after the softmax) go to L2, where they
+// wait for the value phase: where that phase fetched its own codes into L1 64 positions ahead, whole int8 steps at
+// 4,096 tokens took 5-6% longer on one thread and two (Xeon model 167, alternating). int4's fewer value lines go to
+// L1 with the keys' (into L2: no faster).
 constexpr int64_t PREFETCH_AHEAD = 64;
 
 inline int64_t key_param_bytes(int bits, int64_t d) { return bits == 8 ? 2 * d : 2 * d + 4; }
@@ -3086,7 +3085,9 @@ inline void prefetch_codes(const QuantRows<BITS>& keys, const QuantRows<BITS>& v
     int64_t n = e - s;
     fetch(keys.key_row(s), keys.key_row(s) + n * bytes);
     fetch(prm, reinterpret_cast<const char*>(prm) + key_param_bytes(BITS, d));
-    if (!values_fetch_own(BITS, d)) fetch(values.code[s - values.first], values.code[s - values.first] + n * bytes);
+    const uint8_t* v = values.code[s - values.first];
+    if (spread_prefetches(BITS, d)) prefetch_span(v, v + n * bytes, _MM_HINT_T1);
+    else fetch(v, v + n * bytes);
     fetch(values.param[s - values.first], values.param[e - 1 - values.first] + 1);
   }
 }
@@ -3212,7 +3213,7 @@ void score_quantized(const float* q, const QuantRows<BITS>& keys, const QuantRow
     later.fetch(keys, values, d, e == qend ? later.count() : (e - qstart) * share >> 16);
     if (s == qstart) prefetch_codes(keys, values, s, s + PREFETCH_AHEAD, d * BITS / 8, d);
     ahead.clear();
-    if (values_fetch_own(BITS, d))  // int8: spread over the block (int4's fewer lines: at once, measured faster)
+    if (spread_prefetches(BITS, d))  // int8: spread over the block (int4's fewer lines: at once, measured faster)
       prefetch_codes(keys, values, s + PREFETCH_AHEAD, e + PREFETCH_AHEAD, d * BITS / 8, d, &ahead);
     else
       prefetch_codes(keys, values, s + PREFETCH_AHEAD, e + PREFETCH_AHEAD, d * BITS / 8, d);
@@ -3306,7 +3307,7 @@ void weigh_quantized(const float* scores, int64_t padded, const QuantRows<BITS>&
   const uint8_t* const* rows = values.code + (qstart - values.first);
 #ifdef KVSCOPE_KV512
   if (KVSCOPE_INT_DOTS && kv512_values(BITS, d))
-    return weigh_values_512<BITS>(rows, upto, values.known - qstart - upto, d, active, counts, from, padded,
+    return weigh_values_512<BITS>(rows, upto, d, active, counts, from, padded,
                                   scale.data(), minimum.data(), part, stride, scratch, values.tiled, qstart);
 #endif
   weights.resize(active.size() * even);
