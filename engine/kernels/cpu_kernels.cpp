@@ -3062,8 +3062,8 @@ void weigh_codes(const float* const* w, const uint8_t* const* rows, int64_t n, i
 // head of 64): while a block's keys are scored, the codes and scales of the positions PREFETCH_AHEAD further on
 // (the next tile's too) are fetched, the keys' into L1. int8's values (read after the softmax) go to L2, where they
 // wait for the value phase: where that phase fetched its own codes into L1 64 positions ahead, whole int8 steps at
-// 4,096 tokens took 5-6% longer on one thread and two (Xeon model 167, alternating). int4's fewer value lines go to
-// L1 with the keys' (into L2: no faster).
+// 4,096 tokens took 5-7% longer on one thread and two in the VM's slower phases, the same in its faster ones (Xeon
+// model 167, alternating). int4's fewer value lines go to L1 with the keys' (into L2: no faster).
 constexpr int64_t PREFETCH_AHEAD = 64;
 
 inline int64_t key_param_bytes(int bits, int64_t d) { return bits == 8 ? 2 * d : 2 * d + 4; }
