@@ -3213,10 +3213,9 @@ void score_quantized(const float* q, const QuantRows<BITS>& keys, const QuantRow
     later.fetch(keys, values, d, e == qend ? later.count() : (e - qstart) * share >> 16);
     if (s == qstart) prefetch_codes(keys, values, s, s + PREFETCH_AHEAD, d * BITS / 8, d);
     ahead.clear();
-    if (spread_prefetches(BITS, d))  // int8: spread over the block (int4's fewer lines: at once, measured faster)
-      prefetch_codes(keys, values, s + PREFETCH_AHEAD, e + PREFETCH_AHEAD, d * BITS / 8, d, &ahead);
-    else
-      prefetch_codes(keys, values, s + PREFETCH_AHEAD, e + PREFETCH_AHEAD, d * BITS / 8, d);
+    // int8: queued, spread over the block's scoring (int4's fewer lines: at once, measured faster)
+    prefetch_codes(keys, values, s + PREFETCH_AHEAD, e + PREFETCH_AHEAD, d * BITS / 8, d,
+                   spread_prefetches(BITS, d) ? &ahead : nullptr);
     fill_addresses(keys.key_row(s), keys.row_bytes, e - s, rows);  // the block's rows, where the scorers read them
     const uint8_t* const* code = rows;
     if constexpr (INTEGER)
