@@ -2106,7 +2106,7 @@ struct QuantRows {
   const uint8_t* const* block_code = nullptr;
   const uint16_t* const* block_param = nullptr;
   int64_t first_block = 0, row_bytes = 0;
-  int64_t known = 0;  // these cover [first, known): the tile's codes and the next ones, to prefetch
+  int64_t known = 0;  // keys: the tables cover [first, known), the tile's codes and the next ones, to prefetch
   int64_t end = 0;    // the sequence's length: the window holds [full, end)
   int64_t block_size = 1;  // positions [k bs, (k + 1) bs) share a block's key scales and adjacent rows
   int block_shift = -1;    // log2(block_size) where it is a power of two, else -1 (in_blocks)
@@ -3745,7 +3745,7 @@ struct QuantStores {
     int64_t from = std::max(k0, std::min(sink, k0 + quantized)), to = k0 + known;
     int64_t first_block = map.blocks(from), blocks = from < to ? map.blocks(to - 1) + 1 - first_block : 0;
     v_code.resize(known), v_prm.resize(known), k_code.resize(blocks), k_prm.resize(blocks);
-    keys.known = values.known = to;
+    keys.known = to;  // (the value tables cover the same positions; prefetch_codes reads both up to it)
     values.code = v_code.data(), values.param = v_prm.data();
     keys.block_code = k_code.data(), keys.block_param = k_prm.data();
     keys.first_block = first_block, keys.row_bytes = k.slot_stride.empty() ? 0 : k.slot_stride[0];
