@@ -144,6 +144,31 @@ def test_the_step_growth_takes_out_the_read_bandwidth_measured_beside_each_row()
     assert target.measured == pytest.approx(1.5 / 1.76) and target.passed  # 3.0 / 1.76 as measured would miss
 
 
+def test_the_step_bench_counts_no_turn_an_engine_runner_takes_right_after_llama_cpp_or_the_probe():
+    engines = {"paged", "paged, KV int4"}
+    names = ["paged", "paged, KV int4", "llama.cpp", "read probe"]
+    turns = step.schedule(names, engines)
+    ran = [name for name, _, _ in turns if name != step.SETTLER]
+    for i, (name, steps, counted) in enumerate(turns):
+        if counted:  # a counted turn: the rest of a turn whose first steps warmed the same runner up
+            assert turns[i - 1] == (name, step.WARMUP, False) and steps == step.TURN - step.WARMUP
+        if name == step.SETTLER:
+            assert not counted and steps == step.SETTLE and turns[i + 1][0] in engines
+    # every engine turn that comes after llama.cpp's or the probe's starts only after the settle runner's steps
+    warmups = [i for i, (name, steps, counted) in enumerate(turns) if name != step.SETTLER and not counted
+               and steps == step.WARMUP]
+    for before, after in zip(warmups, warmups[1:]):
+        if turns[after][0] in engines and turns[before][0] not in engines:
+            assert turns[after - 1][0] == step.SETTLER
+    assert any(name == step.SETTLER for name, _, _ in turns)
+    for name in names:  # each runner: every round's turn, counted after the first round, ends forwards and backwards
+        assert sum(steps for n, steps, counted in turns if n == name and counted) == \
+            (step.ROUNDS - 1) * (step.TURN - step.WARMUP)
+    assert len(ran) == 2 * step.ROUNDS * len(names) and ran[:2 * len(names)] == \
+        [n for n in names for _ in range(2)]
+    assert sum(steps for name, steps, _ in turns if name == step.SETTLER) <= step.GROWTH
+
+
 # ---- the verdicts
 def test_targets_pass_and_miss_from_the_ratios():
     decode = {"latency_ms": {"paged": {"16": 10.0, "512": 10.0, "2048": 11.0, "4096": 25.0},

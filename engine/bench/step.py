@@ -2,8 +2,9 @@
 of 8 sequences against one; how the step grows with the bytes it reads; where one step's time goes.
 
 Every engine runner holds its own prefilled sequence; the runners take turns, TURN steps each, ROUNDS times, so
-a change of machine load falls on all of them alike. llama.cpp (llama-cpp-python, when installed) decodes the
-same GGUF with the same number of threads.
+a change of machine load falls on all of them alike. A turn's first step is not counted, and an engine runner that
+follows llama.cpp or the read probe waits for the engine's pace to come back first (`schedule`). llama.cpp
+(llama-cpp-python, when installed) decodes the same GGUF with the same number of threads.
 """
 
 from __future__ import annotations
@@ -29,6 +30,14 @@ from engine.bench.peers import llama_cpp_status
 CONTEXTS, QUICK_CONTEXTS = (512, 2048, 4096), (512, 2048)
 THREADS = (1, 2)
 ROUNDS, TURN = 6, 8
+WARMUP = 1  # a turn's first steps, not counted: the runner's own memory comes back into the caches
+# After llama.cpp's turn (or the read probe's) the engine's steps take ~10 steps (100-150 ms) to come back to their
+# pace (2-core Xeon: 9.2 ms then 7.4, 7.0 ... 5.3 at 512 tokens, two threads), so the engine runner that came next
+# was measured slower than the others (int4's turn after llama.cpp's: 6.5 ms a step against 5.3 the other way
+# round). SETTLE steps of a runner of its own, not counted, go before it instead.
+SETTLE = 16
+SETTLER = "settle"
+GROWTH = max(ROUNDS * TURN, ROUNDS * 2 * SETTLE)  # tokens a runner's sequence may grow by during `alternate`
 STRATEGIES = ("paged", "contiguous", "paged-int8", "paged, KV bfloat16", "paged, KV int4")  # paged: the engine's KV
 BATCH = 8
 PROFILE_TOP = 12
@@ -37,7 +46,9 @@ PROBE_MB = 256
 
 METHOD = (
     f"Each runner holds one sequence prefilled to the context; runners alternate, {TURN} single-token steps each, "
-    f"{ROUNDS} rounds, the first round's steps discarded; the median step is reported. Engine steps are "
+    f"{ROUNDS} rounds, the first round's steps and each turn's first {WARMUP} discarded; an engine runner that follows "
+    f"llama.cpp or the read probe first waits {SETTLE} steps of an engine runner of its own (not counted: the engine "
+    "takes ~10 steps to come back to its pace after them); the median step is reported. Engine steps are "
     "engine.step (the forward, no sampling); llama.cpp's are Llama.eval of one token on the same GGUF with "
     "n_threads = n_threads_batch = the engine's threads. At one thread a read probe (a sum over a "
     f"{PROBE_MB} MB buffer) takes its turns beside them, and each context's roofline uses the bandwidth it measured "
@@ -46,7 +57,7 @@ METHOD = (
 
 
 def run(ctx: BenchContext, quick: bool) -> dict:
-    room = ctx.engine.max_context - ROUNDS * TURN - 8
+    room = ctx.engine.max_context - GROWTH - 8
     contexts = [c for c in (QUICK_CONTEXTS if quick else CONTEXTS) if c <= room] or [room // 2]
     threads_before = torch.get_num_threads()
     llama = llama_cpp_status(ctx.gguf_path) == "available"
@@ -56,7 +67,7 @@ def run(ctx: BenchContext, quick: bool) -> dict:
     try:
         for threads in THREADS[:1] if ctx.tiny else THREADS:
             torch.set_num_threads(threads)
-            peer = LlamaCppRunner(ctx.gguf_path, max(contexts) + ROUNDS * TURN + 8, threads) if llama else None
+            peer = LlamaCppRunner(ctx.gguf_path, max(contexts) + GROWTH + 8, threads) if llama else None
             probe = ReadProbe() if threads == 1 else None
             for context in contexts:
                 status(f"step: {threads} thread(s), context {context}")
@@ -98,7 +109,7 @@ class LlamaCppRunner:
 class EngineRunner:
     def __init__(self, ctx: BenchContext, strategy: str, ids: list[int], context: int):
         self.engine, self.ids, self.position = ctx.engine, ids, context
-        self.cache = make_cache(ctx.engine, strategy, block_size=16, pool_tokens=context + ROUNDS * TURN + 8)
+        self.cache = make_cache(ctx.engine, strategy, block_size=16, pool_tokens=context + GROWTH + 8)
         with using_cache(self.engine, self.cache):
             self.cache.prepare(0, ids[:context])
             prefill(self.engine, 0, ids[:context])
@@ -127,22 +138,39 @@ class ReadProbe:
         return self.buffer.nbytes / ms / 1e6
 
 
+def schedule(names: list[str], engines: set[str]) -> list[tuple[str, int, bool]]:
+    """The turns `alternate` takes, in order: (runner, steps, counted). The runners go forwards, then backwards
+    (neither end always first); each turn is WARMUP steps not counted, then the rest of TURN, counted after the first
+    round; an engine runner right after one that is not an engine (llama.cpp, the read probe) is preceded by SETTLE
+    steps of the SETTLER, not counted."""
+    turns, previous = [], None
+    for round_ in range(ROUNDS):
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            if name in engines and previous is not None and previous not in engines:
+                turns.append((SETTLER, SETTLE, False))
+            turns += [(name, WARMUP, False), (name, TURN - WARMUP, round_ > 0)]
+            previous = name
+    return turns
+
+
 def alternate(ctx: BenchContext, context: int, peer: LlamaCppRunner | None,
               probe: ReadProbe | None = None) -> dict[str, float]:
-    ids = random_ids(context + ROUNDS * TURN + 8, ctx.engine.model_config.vocab_size)
+    ids = random_ids(context + GROWTH + 8, ctx.engine.model_config.vocab_size)
     runners: dict[str, object] = {s: EngineRunner(ctx, s, ids, context) for s in STRATEGIES}
+    engines = set(runners)
     if peer is not None:
         peer.start(ids[:context])
         runners["llama.cpp"] = peer
     if probe is not None:
         runners[PROBE] = probe
-    samples: dict[str, list[float]] = {name: [] for name in runners}
-    for round_ in range(ROUNDS):
-        order = list(runners.items()) if round_ % 2 == 0 else list(runners.items())[::-1]
-        for name, runner in order:
-            times = [runner.step(ids) for _ in range(TURN)]
-            if round_:
-                samples[name] += times
+    turns = schedule(list(runners), engines)
+    if any(name == SETTLER for name, _, _ in turns):
+        runners[SETTLER] = EngineRunner(ctx, "paged", ids, context)
+    samples: dict[str, list[float]] = {name: [] for name in runners if name != SETTLER}
+    for name, steps, counted in turns:
+        times = [runners[name].step(ids) for _ in range(steps)]
+        if counted:
+            samples[name] += times
     for runner in runners.values():
         if isinstance(runner, EngineRunner):
             runner.cache.release(0)
