@@ -33,8 +33,8 @@ ROUNDS, TURN = 6, 8
 WARMUP = 1  # a turn's first steps, not counted: the runner's own memory comes back into the caches
 # After llama.cpp's turn (or the read probe's) the engine's steps take ~10 steps (100-150 ms) to come back to their
 # pace (2-core Xeon: 9.2 ms then 7.4, 7.0 ... 5.3 at 512 tokens, two threads), so the engine runner that came next
-# was measured slower than the others (int4's turn after llama.cpp's: 6.5 ms a step against 5.3 the other way
-# round). SETTLE steps of a runner of its own, not counted, go before it instead.
+# was measured slower than the others (int4's turn after llama.cpp's: 6.5 ms a step against 5.3 in the rounds that
+# ran the other way). SETTLE steps of a runner of its own, not counted, go before it instead.
 SETTLE = 16
 SETTLER = "settle"
 GROWTH = max(ROUNDS * TURN, ROUNDS * 2 * SETTLE)  # tokens a runner's sequence may grow by during `alternate`
@@ -46,9 +46,10 @@ PROBE_MB = 256
 
 METHOD = (
     f"Each runner holds one sequence prefilled to the context; runners alternate, {TURN} single-token steps each, "
-    f"{ROUNDS} rounds, the first round's steps and each turn's first {WARMUP} discarded; an engine runner that follows "
-    f"llama.cpp or the read probe first waits {SETTLE} steps of an engine runner of its own (not counted: the engine "
-    "takes ~10 steps to come back to its pace after them); the median step is reported. Engine steps are "
+    f"{ROUNDS} rounds, each round starting one runner later (no runner takes two turns in a row); the first round's "
+    f"steps and the first {WARMUP} step(s) of each turn are discarded, and an engine runner that follows llama.cpp "
+    f"or the read probe first waits {SETTLE} steps of an engine runner of its own (not counted: the engine takes ~10 "
+    "steps to come back to its pace after them); the median step is reported. Engine steps are "
     "engine.step (the forward, no sampling); llama.cpp's are Llama.eval of one token on the same GGUF with "
     "n_threads = n_threads_batch = the engine's threads. At one thread a read probe (a sum over a "
     f"{PROBE_MB} MB buffer) takes its turns beside them, and each context's roofline uses the bandwidth it measured "
@@ -139,13 +140,15 @@ class ReadProbe:
 
 
 def schedule(names: list[str], engines: set[str]) -> list[tuple[str, int, bool]]:
-    """The turns `alternate` takes, in order: (runner, steps, counted). The runners go forwards, then backwards
-    (neither end always first); each turn is WARMUP steps not counted, then the rest of TURN, counted after the first
-    round; an engine runner right after one that is not an engine (llama.cpp, the read probe) is preceded by SETTLE
-    steps of the SETTLER, not counted."""
+    """The turns `alternate` takes, in order: (runner, steps, counted). Round r starts at the r-th runner and goes
+    round the list, so no runner takes two turns in a row (forwards then backwards, the two ends did, and the engine
+    runner at the front ran on its own warm caches); each turn is WARMUP steps not counted, then the rest of TURN,
+    counted after the first round; an engine runner right after one that is not an engine (llama.cpp, the read
+    probe) is preceded by SETTLE steps of the SETTLER, not counted."""
     turns, previous = [], None
     for round_ in range(ROUNDS):
-        for name in names if round_ % 2 == 0 else names[::-1]:
+        start = round_ % len(names)
+        for name in names[start:] + names[:start]:
             if name in engines and previous is not None and previous not in engines:
                 turns.append((SETTLER, SETTLE, False))
             turns += [(name, WARMUP, False), (name, TURN - WARMUP, round_ > 0)]
