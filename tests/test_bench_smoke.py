@@ -153,7 +153,7 @@ def test_the_step_bench_counts_no_turn_an_engine_runner_takes_right_after_llama_
         if counted:  # a counted turn: the rest of a turn whose first steps warmed the same runner up
             assert turns[i - 1] == (name, step.WARMUP, False) and steps == step.TURN - step.WARMUP
         if name == step.SETTLER:
-            assert not counted and steps == step.SETTLE and turns[i + 1][0] in engines
+            assert not counted and steps == step.SETTLE_MAX and turns[i + 1][0] in engines
     # every engine turn that comes after llama.cpp's or the probe's starts only after the settle runner's steps
     warmups = [i for i, (name, steps, counted) in enumerate(turns) if name != step.SETTLER and not counted
                and steps == step.WARMUP]
@@ -167,7 +167,8 @@ def test_the_step_bench_counts_no_turn_an_engine_runner_takes_right_after_llama_
     turn_order = ran[::2]  # (a turn: its warm-up, then its counted steps)
     assert turn_order[:len(names)] == names and turn_order[len(names):2 * len(names)] == names[1:] + names[:1]
     assert all(a != b for a, b in zip(turn_order, turn_order[1:]))  # nobody runs on its own warm caches
-    assert sum(steps for name, steps, _ in turns if name == step.SETTLER) <= step.GROWTH
+    assert sum(steps for name, steps, _ in turns if name == step.SETTLER) <= step.SETTLE_GROWTH
+    assert step.SETTLE_MIN <= step.SETTLE_MAX
 
 
 # ---- the verdicts

@@ -31,13 +31,15 @@ CONTEXTS, QUICK_CONTEXTS = (512, 2048, 4096), (512, 2048)
 THREADS = (1, 2)
 ROUNDS, TURN = 6, 8
 WARMUP = 1  # a turn's first steps, not counted: the runner's own memory comes back into the caches
-# After llama.cpp's turn (or the read probe's) the engine's steps take ~10 steps (100-150 ms) to come back to their
-# pace (2-core Xeon: 9.2 ms then 7.4, 7.0 ... 5.3 at 512 tokens, two threads), so the engine runner that came next
-# was measured slower than the others (int4's turn after llama.cpp's: 6.5 ms a step against 5.3 in the rounds that
-# ran the other way). SETTLE steps of a runner of its own, not counted, go before it instead.
-SETTLE = 16
+# After llama.cpp's turn (or the read probe's) the engine's steps take 100-300 ms to come back to their pace
+# (2-core Xeon: 9.2 ms then 7.4, 7.0 ... 5.3 at 512 tokens, two threads, ~80 ms; 12.5, 11.5 ... 9.6 on one thread,
+# ~300 ms), so the engine runner that came next was measured slower than the others (int4's turn after llama.cpp's:
+# 6.5 ms a step against 5.3 in the rounds that ran the other way). A runner of its own steps first instead, not
+# counted, until SETTLE_MS have passed (at least SETTLE_MIN steps, at most SETTLE_MAX).
+SETTLE_MS, SETTLE_MIN, SETTLE_MAX = 300.0, 8, 96
 SETTLER = "settle"
-GROWTH = max(ROUNDS * TURN, ROUNDS * 2 * SETTLE)  # tokens a runner's sequence may grow by during `alternate`
+GROWTH = ROUNDS * TURN  # tokens a measured runner's sequence grows by during `alternate`
+SETTLE_GROWTH = ROUNDS * 2 * SETTLE_MAX  # and the settle runner's, at most
 STRATEGIES = ("paged", "contiguous", "paged-int8", "paged, KV bfloat16", "paged, KV int4")  # paged: the engine's KV
 BATCH = 8
 PROFILE_TOP = 12
@@ -48,8 +50,8 @@ METHOD = (
     f"Each runner holds one sequence prefilled to the context; runners alternate, {TURN} single-token steps each, "
     f"{ROUNDS} rounds, each round starting one runner later (no runner takes two turns in a row); the first round's "
     f"steps and the first {WARMUP} step(s) of each turn are discarded, and an engine runner that follows llama.cpp "
-    f"or the read probe first waits {SETTLE} steps of an engine runner of its own (not counted: the engine takes ~10 "
-    "steps to come back to its pace after them); the median step is reported. Engine steps are "
+    f"or the read probe first waits {SETTLE_MS:.0f} ms of steps of an engine runner of its own (not counted: the "
+    "engine takes 100-300 ms to come back to its pace after them); the median step is reported. Engine steps are "
     "engine.step (the forward, no sampling); llama.cpp's are Llama.eval of one token on the same GGUF with "
     "n_threads = n_threads_batch = the engine's threads. At one thread a read probe (a sum over a "
     f"{PROBE_MB} MB buffer) takes its turns beside them, and each context's roofline uses the bandwidth it measured "
@@ -58,7 +60,7 @@ METHOD = (
 
 
 def run(ctx: BenchContext, quick: bool) -> dict:
-    room = ctx.engine.max_context - GROWTH - 8
+    room = ctx.engine.max_context - SETTLE_GROWTH - 8
     contexts = [c for c in (QUICK_CONTEXTS if quick else CONTEXTS) if c <= room] or [room // 2]
     threads_before = torch.get_num_threads()
     llama = llama_cpp_status(ctx.gguf_path) == "available"
@@ -108,9 +110,9 @@ class LlamaCppRunner:
 
 
 class EngineRunner:
-    def __init__(self, ctx: BenchContext, strategy: str, ids: list[int], context: int):
+    def __init__(self, ctx: BenchContext, strategy: str, ids: list[int], context: int, growth: int = GROWTH):
         self.engine, self.ids, self.position = ctx.engine, ids, context
-        self.cache = make_cache(ctx.engine, strategy, block_size=16, pool_tokens=context + GROWTH + 8)
+        self.cache = make_cache(ctx.engine, strategy, block_size=16, pool_tokens=context + growth + 8)
         with using_cache(self.engine, self.cache):
             self.cache.prepare(0, ids[:context])
             prefill(self.engine, 0, ids[:context])
@@ -144,13 +146,13 @@ def schedule(names: list[str], engines: set[str]) -> list[tuple[str, int, bool]]
     round the list, so no runner takes two turns in a row (forwards then backwards, the two ends did, and the engine
     runner at the front ran on its own warm caches); each turn is WARMUP steps not counted, then the rest of TURN,
     counted after the first round; an engine runner right after one that is not an engine (llama.cpp, the read
-    probe) is preceded by SETTLE steps of the SETTLER, not counted."""
+    probe) is preceded by the SETTLER's steps, not counted (SETTLE_MAX: at most; `settle` stops at SETTLE_MS)."""
     turns, previous = [], None
     for round_ in range(ROUNDS):
         start = round_ % len(names)
         for name in names[start:] + names[:start]:
             if name in engines and previous is not None and previous not in engines:
-                turns.append((SETTLER, SETTLE, False))
+                turns.append((SETTLER, SETTLE_MAX, False))
             turns += [(name, WARMUP, False), (name, TURN - WARMUP, round_ > 0)]
             previous = name
     return turns
@@ -158,7 +160,7 @@ def schedule(names: list[str], engines: set[str]) -> list[tuple[str, int, bool]]
 
 def alternate(ctx: BenchContext, context: int, peer: LlamaCppRunner | None,
               probe: ReadProbe | None = None) -> dict[str, float]:
-    ids = random_ids(context + GROWTH + 8, ctx.engine.model_config.vocab_size)
+    ids = random_ids(context + SETTLE_GROWTH + 8, ctx.engine.model_config.vocab_size)
     runners: dict[str, object] = {s: EngineRunner(ctx, s, ids, context) for s in STRATEGIES}
     engines = set(runners)
     if peer is not None:
@@ -168,9 +170,12 @@ def alternate(ctx: BenchContext, context: int, peer: LlamaCppRunner | None,
         runners[PROBE] = probe
     turns = schedule(list(runners), engines)
     if any(name == SETTLER for name, _, _ in turns):
-        runners[SETTLER] = EngineRunner(ctx, "paged", ids, context)
+        runners[SETTLER] = EngineRunner(ctx, "paged", ids, context, growth=SETTLE_GROWTH)
     samples: dict[str, list[float]] = {name: [] for name in runners if name != SETTLER}
     for name, steps, counted in turns:
+        if name == SETTLER:
+            settle(runners[name], ids, steps)
+            continue
         times = [runners[name].step(ids) for _ in range(steps)]
         if counted:
             samples[name] += times
@@ -178,6 +183,15 @@ def alternate(ctx: BenchContext, context: int, peer: LlamaCppRunner | None,
         if isinstance(runner, EngineRunner):
             runner.cache.release(0)
     return {name: median(ms) for name, ms in samples.items()}
+
+
+def settle(runner: EngineRunner, ids: list[int], most: int) -> int:
+    """Steps of the settle runner until SETTLE_MS have passed (at least SETTLE_MIN, at most `most`); how many."""
+    start, steps = time.perf_counter(), 0
+    while steps < most and (steps < SETTLE_MIN or (time.perf_counter() - start) * 1e3 < SETTLE_MS):
+        runner.step(ids)
+        steps += 1
+    return steps
 
 
 def batch_scaling(ctx: BenchContext, context: int) -> dict:
