@@ -10,6 +10,7 @@ follows llama.cpp or the read probe waits for the engine's pace to come back fir
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -172,9 +173,10 @@ def alternate(ctx: BenchContext, context: int, peer: LlamaCppRunner | None,
     if any(name == SETTLER for name, _, _ in turns):
         runners[SETTLER] = EngineRunner(ctx, "paged", ids, context, growth=SETTLE_GROWTH)
     samples: dict[str, list[float]] = {name: [] for name in runners if name != SETTLER}
+    settler = runners.get(SETTLER)
     for name, steps, counted in turns:
         if name == SETTLER:
-            settle(runners[name], ids, steps)
+            settle(lambda: settler.step(ids), steps)
             continue
         times = [runners[name].step(ids) for _ in range(steps)]
         if counted:
@@ -185,33 +187,39 @@ def alternate(ctx: BenchContext, context: int, peer: LlamaCppRunner | None,
     return {name: median(ms) for name, ms in samples.items()}
 
 
-def settle(runner: EngineRunner, ids: list[int], most: int) -> int:
-    """Steps of the settle runner until SETTLE_MS have passed (at least SETTLE_MIN, at most `most`); how many."""
+def settle(step_once: Callable[[], object], most: int) -> int:
+    """Settle steps, not counted, until SETTLE_MS have passed (at least SETTLE_MIN, at most `most`); how many."""
     start, steps = time.perf_counter(), 0
     while steps < most and (steps < SETTLE_MIN or (time.perf_counter() - start) * 1e3 < SETTLE_MS):
-        runner.step(ids)
+        step_once()
         steps += 1
     return steps
 
 
 def batch_scaling(ctx: BenchContext, context: int) -> dict:
-    """One paged pool: a step of BATCH sequences at `context` tokens each against a step of one of them."""
+    """One paged pool: a step of BATCH sequences at `context` tokens each against a step of one of them, in turns as
+    `alternate` takes them: a turn's first WARMUP steps not counted, and before the one-sequence turn, which follows
+    a batch turn, `settle` steps of a sequence of its own (after a batch turn the one-sequence steps took 12.5, 11.5,
+    then 10.2 ms: counted from the first, they made one sequence's step 5% longer and the ratio smaller)."""
     e = ctx.engine
-    ids = random_ids(BATCH * (context + 64), e.model_config.vocab_size)
-    cache = make_cache(e, "paged", block_size=16, pool_tokens=BATCH * (context + ROUNDS * TURN + 16))
+    ids = random_ids((BATCH + 1) * (context + 64), e.model_config.vocab_size)
+    settler = BATCH  # the settle sequence
+    cache = make_cache(e, "paged", block_size=16,
+                       pool_tokens=BATCH * (context + GROWTH + 16) + context + ROUNDS * SETTLE_MAX + 16)
     seqs = list(range(BATCH))
     with using_cache(e, cache):
-        for s in seqs:
+        for s in [*seqs, settler]:
             prompt = ids[s * context:(s + 1) * context]
             cache.prepare(s, prompt)
             prefill(e, s, prompt)
         one, many = [], []
         for round_ in range(ROUNDS):
+            settle(lambda: e.step([settler], [[7]]), SETTLE_MAX)
             a = [timed_ms(lambda: e.step([0], [[7]]))[1] for _ in range(TURN)]
             b = [timed_ms(lambda: e.step(seqs, [[7]] * BATCH))[1] for _ in range(TURN)]
             if round_:
-                one += a
-                many += b
+                one += a[WARMUP:]
+                many += b[WARMUP:]
     return {"context": context, "batch": BATCH, "one_ms": median(one), "batch_ms": median(many),
             "batch_over_one": ratio(median(many), median(one))}
 
