@@ -170,10 +170,10 @@ def alternate(ctx: BenchContext, context: int, peer: LlamaCppRunner | None,
     if probe is not None:
         runners[PROBE] = probe
     turns = schedule(list(runners), engines)
+    settler = None
     if any(name == SETTLER for name, _, _ in turns):
-        runners[SETTLER] = EngineRunner(ctx, "paged", ids, context, growth=SETTLE_GROWTH)
-    samples: dict[str, list[float]] = {name: [] for name in runners if name != SETTLER}
-    settler = runners.get(SETTLER)
+        settler = EngineRunner(ctx, "paged", ids, context, growth=SETTLE_GROWTH)
+    samples: dict[str, list[float]] = {name: [] for name in runners}
     for name, steps, counted in turns:
         if name == SETTLER:
             settle(lambda: settler.step(ids), steps)
@@ -181,7 +181,7 @@ def alternate(ctx: BenchContext, context: int, peer: LlamaCppRunner | None,
         times = [runners[name].step(ids) for _ in range(steps)]
         if counted:
             samples[name] += times
-    for runner in runners.values():
+    for runner in [*runners.values(), settler]:
         if isinstance(runner, EngineRunner):
             runner.cache.release(0)
     return {name: median(ms) for name, ms in samples.items()}
