@@ -800,14 +800,35 @@ __attribute__((always_inline)) inline void add_block(const std::array<std::array
   }
 }
 
+// The activations as the 16-row kernels read them: for each group of up to 8 rows (in_row_groups' groups: r0 a
+// multiple of 8, mg = min(8, m - r0) rows), block b's 16 int16 pairs row-interleaved, [nb, 16, mg] int32 from
+// r0 * k / 2: pair p < 8 is codes 2p, 2p + 1 of the block's first half, p >= 8 codes 2(p - 8), +1 of its second.
+// Every broadcast of a block then lies at a constant offset from one pointer (with rows k apart, GCC computed and
+// spilled an address a row and a pair: ~2 scalar instructions a vpdpwssd at 8 rows).
+std::vector<int32_t> pair_grid(const QuantizedRows& x, int64_t m, int64_t k) {
+  const int64_t nb = k / QK;
+  std::vector<int32_t> grid(m * k / 2);
+  for (int64_t r0 = 0; r0 < m; r0 += 8) {
+    const int64_t mg = std::min<int64_t>(8, m - r0);
+    int32_t* g = grid.data() + r0 * k / 2;
+    for (int64_t i = 0; i < mg; ++i) {
+      const int16_t* q = x.q.data() + (r0 + i) * k;
+      for (int64_t b = 0; b < nb; ++b)
+        for (int64_t p = 0; p < 16; ++p)
+          std::memcpy(g + (b * 16 + p) * mg + i, q + half_at(b, p / 8, nb) + 2 * (p % 8), sizeof(int32_t));
+    }
+  }
+  return grid;
+}
+
 template <int M, int G>
 __attribute__((noinline)) void int4_groups16(const uint8_t* c, const uint16_t* sc, const uint16_t* mn, int64_t k,
-                                             const QuantizedRows& x, int64_t r0, const float* xsg, float* out,
-                                             int64_t g0, int64_t g1, int64_t n) {
+                                             const QuantizedRows& x, const int32_t* grid, int64_t r0,
+                                             const float* xsg, float* out, int64_t g0, int64_t g1, int64_t n) {
   const int64_t nb = k / QK, groups = k / G;
   constexpr int A = M == 1 ? 4 : M <= 7 ? 2 : 1;  // int32 accumulators a row: chains of dpwssd side by side
   const __m512i low = _mm512_set1_epi16(0x0F);
-  const int16_t* q = x.q.data() + r0 * k;
+  const int32_t* pairs = grid + r0 * k / 2;
   each_row_group16<M>(x, r0, out, g0, g1, n, [&](int64_t gi, std::array<__m512, M>& acc) {
     const uint8_t* cg = c + gi * nb * ROW_BLOCK_BYTES;
     const uint16_t* sg = sc + gi * groups * ROW_BLOCK;
@@ -820,7 +841,7 @@ __attribute__((noinline)) void int4_groups16(const uint8_t* c, const uint16_t* s
         prefetch_ahead(sb, 1, ROWS16_PREFETCH / 8), prefetch_ahead(mb, 1, ROWS16_PREFETCH / 8);
       std::array<std::array<__m512i, A>, M> sums;
       for (auto& row : sums) row.fill(_mm512_setzero_si512());
-      const int64_t h0 = half_at(b, 0, nb), h1 = half_at(b, 1, nb);
+      const int32_t* pb = pairs + b * 16 * M;
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
         __m512i t = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 32 * j)));
@@ -828,8 +849,8 @@ __attribute__((noinline)) void int4_groups16(const uint8_t* c, const uint16_t* s
         for (int i = 0; i < M; ++i) {
           auto& s0 = sums[i][j % A];  // the activation pairs (2j, 2j + 1) and (2j + 16, 2j + 17) of the block
           auto& s1 = sums[i][(j + A / 2) % A];
-          s0 = dpwssd_broadcast(s0, first, q + i * k + h0 + 2 * j);
-          s1 = dpwssd_broadcast(s1, second, q + i * k + h1 + 2 * j);
+          s0 = dpwssd_broadcast(s0, first, pb + j * M + i);
+          s1 = dpwssd_broadcast(s1, second, pb + (8 + j) * M + i);
         }
       }
       add_block<M, A>(sums, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb))), acc);
@@ -857,6 +878,7 @@ at::Tensor int4_linear16(const at::Tensor& input, const at::Tensor& codes, const
   TORCH_CHECK(k % groups == 0 && (g == 32 || g == 64), "int4: groups of 32/64");
   auto rows = quantize_rows(x.data, m, k);
   std::vector<float> xsg = group_sums(rows, m, k, groups);
+  std::vector<int32_t> grid = pair_grid(rows, m, k);
   at::Tensor y = x.output;
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
@@ -865,7 +887,7 @@ at::Tensor int4_linear16(const at::Tensor& input, const at::Tensor& codes, const
   parallel_chunks(row_groups, two_a_thread(row_groups, 4), [&](int64_t g0, int64_t g1) {
     in_row_groups(m, g0, g1, nb * ROW_BLOCK_BYTES, [&](int64_t r0, auto rows_m, int64_t u0, int64_t u1) {
       constexpr int M = decltype(rows_m)::value;
-      (g == 32 ? int4_groups16<M, 32> : int4_groups16<M, 64>)(c, sc, mn, k, rows, r0, xsg.data(), out, u0, u1, n);
+      (g == 32 ? int4_groups16<M, 32> : int4_groups16<M, 64>)(c, sc, mn, k, rows, grid.data(), r0, xsg.data(), out, u0, u1, n);
     });
   });
   return y;
@@ -880,11 +902,11 @@ constexpr int64_t INT8_BLOCK_BYTES = ROW_BLOCK * QK;
 
 template <int M>
 __attribute__((noinline)) void int8_groups16(const int8_t* c, const uint16_t* sc, int64_t k, int64_t groups,
-                                             const QuantizedRows& x, int64_t r0, float* out, int64_t g0, int64_t g1,
-                                             int64_t n) {
+                                             const QuantizedRows& x, const int32_t* grid, int64_t r0, float* out,
+                                             int64_t g0, int64_t g1, int64_t n) {
   const int64_t nb = k / QK, per = nb / groups;  // blocks a scale group
   constexpr int A = M == 1 ? 4 : M <= 7 ? 2 : 1;  // int32 accumulators a row: chains of dpwssd side by side
-  const int16_t* q = x.q.data() + r0 * k;
+  const int32_t* pairs = grid + r0 * k / 2;
   each_row_group16<M>(x, r0, out, g0, g1, n, [&](int64_t gi, std::array<__m512, M>& acc) {
     const int8_t* cg = c + gi * nb * INT8_BLOCK_BYTES;
     const uint16_t* sg = sc + gi * groups * ROW_BLOCK;
@@ -895,12 +917,11 @@ __attribute__((noinline)) void int8_groups16(const int8_t* c, const uint16_t* sc
       if (b % per == 0) prefetch_ahead(sb, 1, ROWS16_PREFETCH / 16);
       std::array<std::array<__m512i, A>, M> sums;
       for (auto& row : sums) row.fill(_mm512_setzero_si512());
-      const int64_t h[2] = {half_at(b, 0, nb), half_at(b, 1, nb)};
+      const int32_t* pb = pairs + b * 16 * M;
 #pragma GCC unroll 16
       for (int j = 0; j < 16; ++j) {  // codes 2j, 2j + 1 of each row: the block's half j / 8, pair j % 8
         __m512i codes = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 32 * j)));
-        for (int i = 0; i < M; ++i)
-          sums[i][j % A] = dpwssd_broadcast(sums[i][j % A], codes, q + i * k + h[j / 8] + 2 * (j % 8));
+        for (int i = 0; i < M; ++i) sums[i][j % A] = dpwssd_broadcast(sums[i][j % A], codes, pb + j * M + i);
       }
       add_block<M, A>(sums, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb))), acc);
     }
@@ -918,13 +939,14 @@ at::Tensor int8_linear16(const at::Tensor& input, const at::Tensor& codes, const
   int64_t m = x.m, groups = scales.size(1);
   TORCH_CHECK(groups > 0 && nb % groups == 0, "int8: the group a multiple of 32");
   auto rows = quantize_rows(x.data, m, k);
+  std::vector<int32_t> grid = pair_grid(rows, m, k);
   at::Tensor y = x.output;
   const int8_t* c = codes.data_ptr<int8_t>();
   const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   float* out = y.data_ptr<float>();
   parallel_chunks(row_groups, two_a_thread(row_groups, 4), [&](int64_t g0, int64_t g1) {
     in_row_groups(m, g0, g1, nb * INT8_BLOCK_BYTES, [&](int64_t r0, auto rows_m, int64_t u0, int64_t u1) {
-      int8_groups16<decltype(rows_m)::value>(c, sc, k, groups, rows, r0, out, u0, u1, n);
+      int8_groups16<decltype(rows_m)::value>(c, sc, k, groups, rows, grid.data(), r0, out, u0, u1, n);
     });
   });
   return y;
