@@ -380,6 +380,7 @@ inline void with_rows(int64_t m, F f) {
 }
 
 constexpr int64_t SPAN_BYTES = 256 << 10;  // the weights a span of a job holds: a later group of rows finds them in L2
+constexpr int64_t ROW_GROUP = 8;  // activation rows a kernel call takes at most (with_rows compiles 1 to 8)
 
 // f(r0, std::integral_constant<int, M>, u0, u1) for the activation rows [r0, r0 + M) of m, in groups of 8 and what
 // is left (1 to 7): every group a compiled row count, each row computed alone within its group (so the same bits
@@ -388,10 +389,10 @@ constexpr int64_t SPAN_BYTES = 256 << 10;  // the weights a span of a job holds:
 // every group over one span before the next, and the later group reads the span from L2 (16 rows: 0.95x).
 template <typename F>
 inline void in_row_groups(int64_t m, int64_t w0, int64_t w1, int64_t unit_bytes, F f) {
-  int64_t span = m <= 8 ? w1 - w0 : std::max<int64_t>(1, SPAN_BYTES / unit_bytes);
+  int64_t span = m <= ROW_GROUP ? w1 - w0 : std::max<int64_t>(1, SPAN_BYTES / unit_bytes);
   for (int64_t u0 = w0; u0 < w1; u0 += span)
     for (int64_t r0 = 0; r0 < m;) {
-      int64_t take = std::min<int64_t>(m - r0, 8);
+      int64_t take = std::min<int64_t>(m - r0, ROW_GROUP);
       with_rows(take, [&](auto rows_m) {
         if constexpr (decltype(rows_m)::value > 0) f(r0, rows_m, u0, std::min(w1, u0 + span));
       });
@@ -800,16 +801,16 @@ __attribute__((always_inline)) inline void add_block(const std::array<std::array
   }
 }
 
-// The activations as the 16-row kernels read them: for each group of up to 8 rows (in_row_groups' groups: r0 a
-// multiple of 8, mg = min(8, m - r0) rows), block b's 16 int16 pairs row-interleaved, [nb, 16, mg] int32 from
+// The activations as the 16-row kernels read them: for each of in_row_groups' groups (r0 a multiple of ROW_GROUP,
+// mg = min(ROW_GROUP, m - r0) rows), block b's 16 int16 pairs row-interleaved, [nb, 16, mg] int32 from
 // r0 * k / 2: pair p < 8 is codes 2p, 2p + 1 of the block's first half, p >= 8 codes 2(p - 8), +1 of its second.
 // Every broadcast of a block then lies at a constant offset from one pointer (with rows k apart, GCC computed and
 // spilled an address a row and a pair: ~2 scalar instructions a vpdpwssd at 8 rows).
 std::vector<int32_t> pair_grid(const QuantizedRows& x, int64_t m, int64_t k) {
   const int64_t nb = k / QK;
   std::vector<int32_t> grid(m * k / 2);
-  for (int64_t r0 = 0; r0 < m; r0 += 8) {
-    const int64_t mg = std::min<int64_t>(8, m - r0);
+  for (int64_t r0 = 0; r0 < m; r0 += ROW_GROUP) {
+    const int64_t mg = std::min<int64_t>(ROW_GROUP, m - r0);
     int32_t* g = grid.data() + r0 * k / 2;
     for (int64_t i = 0; i < mg; ++i) {
       const int16_t* q = x.q.data() + (r0 + i) * k;
@@ -887,7 +888,8 @@ at::Tensor int4_linear16(const at::Tensor& input, const at::Tensor& codes, const
   parallel_chunks(row_groups, two_a_thread(row_groups, 4), [&](int64_t g0, int64_t g1) {
     in_row_groups(m, g0, g1, nb * ROW_BLOCK_BYTES, [&](int64_t r0, auto rows_m, int64_t u0, int64_t u1) {
       constexpr int M = decltype(rows_m)::value;
-      (g == 32 ? int4_groups16<M, 32> : int4_groups16<M, 64>)(c, sc, mn, k, rows, grid.data(), r0, xsg.data(), out, u0, u1, n);
+      auto groups16 = g == 32 ? int4_groups16<M, 32> : int4_groups16<M, 64>;
+      groups16(c, sc, mn, k, rows, grid.data(), r0, xsg.data(), out, u0, u1, n);
     });
   });
   return y;
