@@ -53,6 +53,15 @@ WEIGHTS = {
 }
 
 
+def rows_alone_and_together(module, x: torch.Tensor) -> torch.Tensor:
+    """Each row of x through the module alone; asserts that the first r rows together give the same bits, for every
+    r from 2 (a group of up to 8 rows, then what is left: every split the kernels make). -> the rows' outputs."""
+    alone = torch.cat([module(x[i:i + 1]) for i in range(len(x))])
+    for rows in range(2, len(x) + 1):
+        assert torch.equal(module(x[:rows]), alone[:rows]), rows
+    return alone
+
+
 @pytest.mark.parametrize("fmt", list(WEIGHTS))
 # the default model's widths (int4 minimums over 18 and 48 groups); 1,024 rows of 1,536: a job in several spans
 @pytest.mark.parametrize("k, n", [(128, 200), (576, 48), (1536, 48), (1536, 1024)])
@@ -60,22 +69,17 @@ def test_a_decode_projection_gives_each_row_the_same_bits_for_1_to_16_rows(fmt, 
     torch.manual_seed(0)
     module = build_linear(WEIGHTS[fmt](torch.randn(n, k) * 0.05))
     assert module.kernel_name.startswith("kvscope.")
-    x = torch.randn(16, k)
-    alone = torch.cat([module(x[i:i + 1]) for i in range(16)])
-    for rows in range(2, 17):  # a group of up to 8 rows, then what is left: every split the kernels make
-        assert torch.equal(module(x[:rows]), alone[:rows]), rows
+    rows_alone_and_together(module, torch.randn(16, k))
 
 
 @pytest.mark.parametrize("fmt", ["int4 groups of 32", "int8 per channel", "int8 groups of 32 (Q8_0)"])
 def test_a_projection_over_an_odd_number_of_blocks_computes_its_weights_with_the_same_bits_per_row(fmt):
     torch.manual_seed(0)
     q = WEIGHTS[fmt](torch.randn(48, 160) * 0.05)  # 5 blocks of 32: the last one has no pair
-    module, x = build_linear(q), torch.randn(17, 160)
-    alone = torch.cat([module(x[i:i + 1]) for i in range(17)])
-    for rows in range(2, 18):
-        assert torch.equal(module(x[:rows]), alone[:rows]), rows
+    x = torch.randn(17, 160)
+    got = rows_alone_and_together(build_linear(q), x)
     want = x @ q.dequantize().T
-    assert (alone - want).norm() / want.norm() < 0.01
+    assert (got - want).norm() / want.norm() < 0.01
 
 
 def test_the_int_kernels_compute_what_the_dequantized_weights_give():
