@@ -42,9 +42,15 @@ def wait(condition, seconds=300):
         QTest.qWait(20)
 
 
+def worker_caught_up():
+    """The worker's conversation (reported after the reply's end) holds what the chat shows."""
+    messages, shown_ = window.snapshot.get("messages", []), window.chat.messages
+    return len(messages) == len(shown_) > 0 and messages[-1]["content"] == shown_[-1].text
+
+
 def turn(start):
     start()
-    wait(lambda: not window.generating and window.snapshot["messages"][-1]["content"] == window.chat.messages[-1].text)
+    wait(lambda: not window.generating and worker_caught_up())
     QTest.qWait(100)
 
 

@@ -40,7 +40,7 @@ def wait(condition, seconds=300):
 wait(lambda: window.info is not None and bool(window.snapshot))
 for question in ("What is a KV cache?", "And a paged one?", "Which is faster?"):
     window.send(question)
-    wait(lambda: not window.generating and len(window.snapshot["messages"]) % 2 == 0
+    wait(lambda: not window.generating and len(window.snapshot.get("messages", [])) == len(window.chat.messages)
          and window.snapshot["messages"][-1]["content"] == window.chat.messages[-1].text)
 first_id, first_rows = window.conversations.current, len(window.metrics.log.rows)
 window.compare.run([ReplayConfig("contiguous"), ReplayConfig("paged")])
