@@ -44,8 +44,8 @@ def wait(condition, seconds=300):
 
 def worker_caught_up():
     """The worker's conversation (reported after the reply's end) holds what the chat shows."""
-    messages, shown_ = window.snapshot.get("messages", []), window.chat.messages
-    return len(messages) == len(shown_) > 0 and messages[-1]["content"] == shown_[-1].text
+    messages, in_chat = window.snapshot.get("messages", []), window.chat.messages
+    return len(messages) == len(in_chat) > 0 and messages[-1]["content"] == in_chat[-1].text
 
 
 def turn(start):
