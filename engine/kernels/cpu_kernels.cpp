@@ -805,13 +805,13 @@ __attribute__((always_inline)) inline void add_block(const std::array<std::array
 // mg = min(ROW_GROUP, m - r0) rows), block b's 16 int16 pairs row-interleaved, [nb, 16, mg] int32 from
 // r0 * k / 2: pair p < 8 is codes 2p, 2p + 1 of the block's first half, p >= 8 codes 2(p - 8), +1 of its second.
 // Every broadcast of a block then lies at a constant offset from one pointer (with rows k apart, GCC computed and
-// spilled an address a row and a pair: ~2 scalar instructions a vpdpwssd at 8 rows).
-std::vector<int32_t> pair_grid(const QuantizedRows& x, int64_t m, int64_t k) {
+// spilled an address a row and a pair: ~2 scalar instructions a vpdpwssd at 8 rows). Every entry is written (no zeros).
+std::unique_ptr<int32_t[]> pair_grid(const QuantizedRows& x, int64_t m, int64_t k) {
   const int64_t nb = k / QK;
-  std::vector<int32_t> grid(m * k / 2);
+  std::unique_ptr<int32_t[]> grid(new int32_t[m * k / 2]);
   for (int64_t r0 = 0; r0 < m; r0 += ROW_GROUP) {
     const int64_t mg = std::min<int64_t>(ROW_GROUP, m - r0);
-    int32_t* g = grid.data() + r0 * k / 2;
+    int32_t* g = grid.get() + r0 * k / 2;
     for (int64_t i = 0; i < mg; ++i) {
       const int16_t* q = x.q.data() + (r0 + i) * k;
       for (int64_t b = 0; b < nb; ++b)
@@ -879,7 +879,7 @@ at::Tensor int4_linear16(const at::Tensor& input, const at::Tensor& codes, const
   TORCH_CHECK(k % groups == 0 && (g == 32 || g == 64), "int4: groups of 32/64");
   auto rows = quantize_rows(x.data, m, k);
   std::vector<float> xsg = group_sums(rows, m, k, groups);
-  std::vector<int32_t> grid = pair_grid(rows, m, k);
+  std::unique_ptr<int32_t[]> grid = pair_grid(rows, m, k);
   at::Tensor y = x.output;
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
@@ -889,7 +889,7 @@ at::Tensor int4_linear16(const at::Tensor& input, const at::Tensor& codes, const
     in_row_groups(m, g0, g1, nb * ROW_BLOCK_BYTES, [&](int64_t r0, auto rows_m, int64_t u0, int64_t u1) {
       constexpr int M = decltype(rows_m)::value;
       auto groups16 = g == 32 ? int4_groups16<M, 32> : int4_groups16<M, 64>;
-      groups16(c, sc, mn, k, rows, grid.data(), r0, xsg.data(), out, u0, u1, n);
+      groups16(c, sc, mn, k, rows, grid.get(), r0, xsg.data(), out, u0, u1, n);
     });
   });
   return y;
@@ -941,14 +941,14 @@ at::Tensor int8_linear16(const at::Tensor& input, const at::Tensor& codes, const
   int64_t m = x.m, groups = scales.size(1);
   TORCH_CHECK(groups > 0 && nb % groups == 0, "int8: the group a multiple of 32");
   auto rows = quantize_rows(x.data, m, k);
-  std::vector<int32_t> grid = pair_grid(rows, m, k);
+  std::unique_ptr<int32_t[]> grid = pair_grid(rows, m, k);
   at::Tensor y = x.output;
   const int8_t* c = codes.data_ptr<int8_t>();
   const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   float* out = y.data_ptr<float>();
   parallel_chunks(row_groups, two_a_thread(row_groups, 4), [&](int64_t g0, int64_t g1) {
     in_row_groups(m, g0, g1, nb * INT8_BLOCK_BYTES, [&](int64_t r0, auto rows_m, int64_t u0, int64_t u1) {
-      int8_groups16<decltype(rows_m)::value>(c, sc, k, groups, rows, grid.data(), r0, out, u0, u1, n);
+      int8_groups16<decltype(rows_m)::value>(c, sc, k, groups, rows, grid.get(), r0, out, u0, u1, n);
     });
   });
   return y;
