@@ -320,16 +320,20 @@ class Engine:
 
     # ---- one forward step, timed
     def step(self, seq_ids: list[int], new_tokens: list[list[int]], all_logits: bool = False,
-             num_tentative: list[int] | None = None) -> torch.Tensor:
+             num_tentative: list[int] | None = None, logits_for: list[int] | None = None) -> torch.Tensor:
         """num_tentative[i]: how many of sequence i's trailing new tokens are unverified drafts (the prefix
-        cache does not register a block holding one until a later step or a truncate keeps it)."""
+        cache does not register a block holding one until a later step or a truncate keeps it).
+        logits_for: the positions in seq_ids whose logits the caller reads (a prompt's piece that does not end
+        it needs none): only their rows go through the head -> [len(logits_for), V]; None: every sequence's."""
         view = self.cache.begin_step(seq_ids, new_tokens)
         view.num_tentative = num_tentative
         logits = self.graphs.step(view, new_tokens) if self.graphs is not None and not all_logits else None
         if logits is None:
             width = max(len(t) for t in new_tokens)
             ids = torch.tensor([t + [0] * (width - len(t)) for t in new_tokens], device=self.device)  # [B, T]
-            logits = self.model(ids, view, all_logits=all_logits)
+            logits = self.model(ids, view, all_logits=all_logits, logits_for=logits_for)
+        elif logits_for is not None:
+            logits = logits[logits_for]  # a captured graph computes every row's
         self.cache.commit_step(view)
         return logits
 

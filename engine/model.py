@@ -401,14 +401,20 @@ class LlamaModel(nn.Module):
         self.embed_tokens.dtype = dtype
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, view: StepView, all_logits: bool = False) -> torch.Tensor:
-        """input_ids: [B, T] (right-padded to view.n_new) -> logits [B, V] of each last token, or [B, T, V]."""
+    def forward(self, input_ids: torch.Tensor, view: StepView, all_logits: bool = False,
+                logits_for: list[int] | None = None) -> torch.Tensor:
+        """input_ids: [B, T] (right-padded to view.n_new) -> logits [B, V] of each last token, or [B, T, V].
+        logits_for: only these sequences' last tokens go through the head -> [len(logits_for), V]."""
         normed = self.hidden_states(input_ids, view)
         if not all_logits and all(n == normed.shape[1] for n in view.n_new):
             normed = normed[:, -1].contiguous()  # [B, H] (a decode step's rows as they are)
         elif not all_logits:
             last = torch.tensor(view.n_new, device=normed.device) - 1
             normed = normed[torch.arange(normed.shape[0], device=normed.device), last]  # [B, H]
+        if logits_for is not None and not all_logits and len(logits_for) < normed.shape[0]:
+            if not logits_for:
+                return normed.new_empty(0, self.config.vocab_size, dtype=torch.float32)
+            normed = normed[logits_for].contiguous()  # [len(logits_for), H]: each row's head alone, the same bits
         logits = self.lm_head.forward(normed).float()  # children through forward, as DecoderLayer's
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap

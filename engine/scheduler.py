@@ -424,8 +424,9 @@ class Scheduler:
 
     def _run_step(self, batch: list[Request], feeds: list[list[int]]) -> None:
         while batch:
+            ending = [i for i, (r, f) in enumerate(zip(batch, feeds)) if r.remaining == len(f)]  # they sample
             try:
-                logits = self.engine.step([r.id for r in batch], feeds)  # [B, V]
+                logits = self.engine.step([r.id for r in batch], feeds, logits_for=ending)  # [len(ending), V]
             except KVCacheFull as e:
                 if len(self.running) <= 1:
                     for req in batch:
@@ -441,7 +442,7 @@ class Scheduler:
                     self._finish(req, "error", f"generation failed: {e}")
                 return
             self._counts["num_steps"] += 1
-            self._after_step(batch, feeds, logits)
+            self._after_step(batch, feeds, dict(zip(ending, logits)))
             return
 
     def _preempt(self, req: Request) -> None:
@@ -451,7 +452,8 @@ class Scheduler:
         self.waiting.appendleft(req)
         self._counts["num_preemptions"] += 1
 
-    def _after_step(self, batch: list[Request], feeds: list[list[int]], logits) -> None:
+    def _after_step(self, batch: list[Request], feeds: list[list[int]], logits: dict) -> None:
+        """logits: {position in batch: [V]} for the requests whose prompt or token this step completed."""
         with self.tokenizer_lock:
             for i, (req, feed) in enumerate(zip(batch, feeds)):
                 req.num_computed += len(feed)

@@ -164,6 +164,26 @@ def test_a_sequence_gives_the_same_bits_alone_and_in_a_batch(tiny_config, tokeni
     assert same_bits(got, alone)
 
 
+@pytest.mark.parametrize("fmt", ["int4", "int8", "float32"])
+def test_a_step_that_asks_for_some_sequences_logits_gives_them_the_bits_of_the_whole_batch(tiny_config, tokenizer, fmt):
+    """A serving step feeds prompt tokens that sample nothing beside decoding rows: only the rows that sample go
+    through the head, and they get the bits the whole batch's head gives them."""
+    prompts = {1: PROMPT, 2: list(range(500, 530)), 3: list(range(700, 777))}
+    everyone, chosen = (tiny_engine(tiny_config, tokenizer, fmt, cache="paged") for _ in range(2))
+    for engine in (everyone, chosen):
+        for seq_id, prompt in prompts.items():
+            engine.cache.prepare(seq_id, prompt)
+            engine.step([seq_id], [prompt])
+    feeds = [[11], [12], [13]]
+    for logits_for in ([2, 0], [1], []):
+        all_rows = everyone.step([1, 2, 3], feeds)
+        some = chosen.step([1, 2, 3], feeds, logits_for=logits_for)
+        assert some.shape == (len(logits_for), tiny_config.vocab_size)
+        assert torch.equal(some, all_rows[logits_for])
+        feeds = [[int(row.argmax())] for row in all_rows]
+    assert torch.equal(chosen.step([1, 2, 3], feeds), everyone.step([1, 2, 3], feeds))  # the same keys kept
+
+
 def test_verify_rows_give_the_bits_of_plain_decode_steps(tiny_config, tokenizer):
     """A speculative verify step feeds several tokens at once: each row's logits equal the plain step's."""
     plain = tiny_engine(tiny_config, tokenizer, "int4", cache="paged")

@@ -363,13 +363,22 @@ def test_bad_input_is_refused_with_a_clear_error(tiny_engine_factory):
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
 def test_while_a_stream_decodes_a_new_prompt_rides_in_its_step_one_token_a_tick(tiny_engine_factory, kv_dtype):
     """One prefill row a tick (the default while others decode, float caches) joins the decode step: one forward a
-    tick, no step of its own, and the new request's tokens are those it gets alone."""
+    tick, no step of its own, and the new request's tokens are those it gets alone. Only the rows that sample (the
+    stream's token, the prompt's last) go through the head."""
     def fresh():
         engine = tiny_engine_factory(kv_dtype=kv_dtype)
         feeds_seen = []
         step = engine.step
-        engine.step = lambda ids, feeds, **kw: feeds_seen.append([len(f) for f in feeds]) or step(ids, feeds, **kw)
+
+        def recording_step(ids, feeds, **kw):
+            feeds_seen.append([len(f) for f in feeds])
+            logits = step(ids, feeds, **kw)
+            heads_seen.append(len(logits))
+            return logits
+        engine.step = recording_step
         return Scheduler(engine, SchedulerConfig(step_rows=16)), feeds_seen
+
+    heads_seen = []
 
     alone, _ = fresh()
     col, (alone_id,) = run_all(alone, prompts(1, [40], seed=2), greedy(6))
@@ -386,6 +395,7 @@ def test_while_a_stream_decodes_a_new_prompt_rides_in_its_step_one_token_a_tick(
         ticks += 1
     assert fed == [[1, 1]] * ticks  # one forward a tick: the stream's token and one prompt token
     assert ticks == 40
+    assert heads_seen[-ticks:] == [1] * (ticks - 1) + [2]  # the prompt's row samples at its last token only
     while not col2.done(later):
         sched.tick()
     assert col2.tokens(later) == col.tokens(alone_id)
