@@ -144,6 +144,21 @@ def test_the_step_growth_takes_out_the_read_bandwidth_measured_beside_each_row()
     assert target.measured == pytest.approx(1.5 / 1.76) and target.passed  # 3.0 / 1.76 as measured would miss
 
 
+def test_the_step_growth_measured_in_turns_decides_the_verdict_at_each_thread_count():
+    apart = step.growth({"ms": 10.0, "bytes": 100, "read_gbs": 12.0}, {"ms": 30.0, "bytes": 176, "read_gbs": 12.0})
+    in_turns = {"1t": {"first": 512, "last": 4096, "first_ms": 10.0, "last_ms": 19.0, "latency": 1.9,
+                       "bytes": 1.76, "over_bytes": 1.9 / 1.76},
+                "2t": {"first": 512, "last": 4096, "first_ms": 5.0, "last_ms": 12.0, "latency": 2.4,
+                       "bytes": 1.76, "over_bytes": 2.4 / 1.76}}
+    verdict = {t.name: t for t in targets.step_targets({"bytes": {"growth": {"paged": apart}, "first": 512,
+                                                                   "last": 4096}, "growth": in_turns})}
+    one, two = (verdict[f"paged step growth 512 -> 4096 tokens / growth of its bytes, {n} thread(s)"] for n in (1, 2))
+    assert one.passed and one.measured == pytest.approx(1.9 / 1.76)
+    assert not two.passed and two.measured == pytest.approx(2.4 / 1.76)
+    assert "the rows measured apart: x3" in one.why  # the other figure stays in sight
+    assert "paged step growth 512 -> 4096 tokens / growth of its bytes" not in verdict
+
+
 def test_the_step_bench_counts_no_turn_an_engine_runner_takes_right_after_llama_cpp_or_the_probe():
     engines = {"paged", "paged, KV int4"}
     names = ["paged", "paged, KV int4", "llama.cpp", "read probe"]

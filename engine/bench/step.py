@@ -1,5 +1,6 @@
 """step: the decode step against llama.cpp, alternating runners in one process, at one and two threads; a batch
-of 8 sequences against one; how the step grows with the bytes it reads; where one step's time goes.
+of 8 sequences against one; how the step grows with the bytes it reads (the first and the last context in turns);
+where one step's time goes.
 
 Every engine runner holds its own prefilled sequence; the runners take turns, TURN steps each, ROUNDS times, so
 a change of machine load falls on all of them alike. A turn's first step is not counted, and an engine runner that
@@ -86,6 +87,10 @@ def run(ctx: BenchContext, quick: bool) -> dict:
         torch.set_num_threads(1)
         out["batch"] = batch_scaling(ctx, contexts[0])
         out["bytes"] = bytes_figures(ctx, out["latency_ms"], contexts, out.get("read_gbs", {}))
+        out["growth"] = {}
+        for threads in THREADS[:1] if ctx.tiny else THREADS:
+            torch.set_num_threads(threads)
+            out["growth"][f"{threads}t"] = growth_in_turns(ctx, contexts[0], contexts[-1], out["bytes"])
         out["profile"] = {str(c): profile_step(ctx, c) for c in dict.fromkeys((contexts[0], contexts[-1]))}
     finally:
         torch.set_num_threads(threads_before)
@@ -224,6 +229,26 @@ def batch_scaling(ctx: BenchContext, context: int) -> dict:
             "batch_over_one": ratio(median(many), median(one))}
 
 
+def growth_in_turns(ctx: BenchContext, first: int, last: int, by: dict) -> dict:
+    """The paged step at the first and the last context, the two runners taking turns (TURN steps each, ROUNDS
+    rounds, the first round and each turn's first WARMUP steps not counted), so that both sides of the ratio see
+    the same minutes of the machine: its growth against the growth of the bytes it reads."""
+    ids = random_ids(last + GROWTH + 8, ctx.engine.model_config.vocab_size)
+    runners = {c: EngineRunner(ctx, "paged", ids, c) for c in (first, last)}
+    samples: dict[int, list[float]] = {c: [] for c in runners}
+    for round_ in range(ROUNDS):
+        for c, runner in runners.items():
+            times = [runner.step(ids) for _ in range(TURN)]
+            if round_:
+                samples[c] += times[WARMUP:]
+    for runner in runners.values():
+        runner.cache.release(0)
+    latency = ratio(median(samples[last]), median(samples[first]))
+    read = by["growth"]["paged"]["bytes"]
+    return {"first": first, "last": last, "first_ms": median(samples[first]), "last_ms": median(samples[last]),
+            "latency": latency, "bytes": read, "over_bytes": ratio(latency, read)}
+
+
 def bytes_figures(ctx: BenchContext, latency: dict, contexts: list[int], read_gbs: dict[str, float]) -> dict:
     """Bytes each strategy's step reads at each context, the lower bound they give at the read bandwidth measured
     beside that context's steps (read_gbs, by row key; a probe now where a row has none), and the multiple."""
@@ -298,6 +323,10 @@ def summarize(r: dict) -> str:
         report.md_table(heads, rows),
         f"Batch: {b['batch']} sequences at {b['context']} tokens each take {report.fmt(b['batch_ms'])} ms a step, "
         f"one takes {report.fmt(b['one_ms'])} ms: x{report.fmt(b['batch_over_one'])}.",
+        *[f"The paged step at {g['first']} and {g['last']} tokens in turns, {key.replace('t', ' thread(s)')}: "
+          f"{report.fmt(g['first_ms'])} and {report.fmt(g['last_ms'])} ms, x{report.fmt(g['latency'])} for bytes "
+          f"x{report.fmt(g['bytes'])}: x{report.fmt(g['over_bytes'])} of its bytes' growth."
+          for key, g in r.get("growth", {}).items()],
         f"Bytes read per step (weights {by['weights'] / 1e6:.1f} MB) and the lower bound they give at one thread, at "
         "the read bandwidth the probe measured beside each context's steps (a probe after the runs: "
         f"{by['bandwidth']['single_thread_gbs']:.1f} GB/s). From {by['first']} to {by['last']} tokens: {grown}.",

@@ -149,7 +149,13 @@ def step_targets(r: dict) -> list[Target]:
                               f"{fmt(lat.get('llama.cpp'))} ms per token (alternating, same GGUF and threads)"))
     by = r.get("bytes", {})
     grow = _get(by, "growth", "paged")
-    if grow and grow.get("latency") and grow.get("bytes"):
+    for key, g in r.get("growth", {}).items():  # the two contexts in turns (results before it: the rows below)
+        rows = f"; the rows measured apart: x{fmt(grow.get('latency'))}" if grow else ""
+        out.append(_check(f"paged step growth {g['first']} -> {g['last']} tokens / growth of its bytes, "
+                          f"{key.replace('t', ' thread(s)')}", g.get("over_bytes"), "<=", 1.25, "x",
+                          f"{fmt(g.get('first_ms'))} -> {fmt(g.get('last_ms'))} ms in turns, x{fmt(g.get('latency'))} "
+                          f"for bytes x{fmt(g.get('bytes'))}{rows}"))
+    if "growth" not in r and grow and grow.get("latency") and grow.get("bytes"):
         steady = grow.get("latency_at_equal_bandwidth") or grow["latency"]  # (results before the alternating probe)
         out.append(_check(f"paged step growth {by['first']} -> {by['last']} tokens / growth of its bytes",
                           steady / grow["bytes"], "<=", 1.25, "x",
