@@ -23,7 +23,8 @@ preemption or not (by construction; tests/test_serve_greedy.py checks it on the 
   one-row steps), at the cost of the new prompt's time to first token. With one row (the default), the
   prefilling requests instead take one prompt token each in the decode step's free rows: no forward of their
   own, so a tick reads the weights once (measured with `bench serve --quick`, 4 clients: p99 inter-token
-  11.3 against 16.0 ms with a 4-row step, the median first token 106 against 221 ms). Any cut gives a float
+  11.3 against 16.0 ms with a 4-row step, the median first token 106 against 221 ms). Only the rows that sample
+  (a decoding request's, a prompt's last) go through the head (`logits_for`). Any cut gives a float
   cache the same bits (tests/test_serve_greedy.py); a quantized one turns blocks into codes at the step that
   fills them, so its pieces stay on multiples of `step_rows`.
 When a request has computed all its tokens, the last logits sample its next token.
