@@ -411,7 +411,7 @@ class LlamaModel(nn.Module):
         elif not all_logits:
             last = torch.tensor(view.n_new, device=normed.device) - 1
             normed = normed[torch.arange(normed.shape[0], device=normed.device), last]  # [B, H]
-        if logits_for is not None and not all_logits and len(logits_for) < normed.shape[0]:
+        if logits_for is not None and not all_logits and logits_for != list(range(normed.shape[0])):
             if not logits_for:
                 return normed.new_empty(0, self.config.vocab_size, dtype=torch.float32)
             normed = normed[logits_for].contiguous()  # [len(logits_for), H]: each row's head alone, the same bits

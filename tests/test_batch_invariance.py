@@ -175,7 +175,7 @@ def test_a_step_that_asks_for_some_sequences_logits_gives_them_the_bits_of_the_w
             engine.cache.prepare(seq_id, prompt)
             engine.step([seq_id], [prompt])
     feeds = [[11], [12], [13]]
-    for logits_for in ([2, 0], [1], []):
+    for logits_for in ([2, 0], [1], [], [2, 0, 1]):
         all_rows = everyone.step([1, 2, 3], feeds)
         some = chosen.step([1, 2, 3], feeds, logits_for=logits_for)
         assert some.shape == (len(logits_for), tiny_config.vocab_size)

@@ -365,6 +365,8 @@ def test_while_a_stream_decodes_a_new_prompt_rides_in_its_step_one_token_a_tick(
     """One prefill row a tick (the default while others decode, float caches) joins the decode step: one forward a
     tick, no step of its own, and the new request's tokens are those it gets alone. Only the rows that sample (the
     stream's token, the prompt's last) go through the head."""
+    heads_seen = []
+
     def fresh():
         engine = tiny_engine_factory(kv_dtype=kv_dtype)
         feeds_seen = []
@@ -377,8 +379,6 @@ def test_while_a_stream_decodes_a_new_prompt_rides_in_its_step_one_token_a_tick(
             return logits
         engine.step = recording_step
         return Scheduler(engine, SchedulerConfig(step_rows=16)), feeds_seen
-
-    heads_seen = []
 
     alone, _ = fresh()
     col, (alone_id,) = run_all(alone, prompts(1, [40], seed=2), greedy(6))

@@ -88,9 +88,10 @@ def run(ctx: BenchContext, quick: bool) -> dict:
         out["batch"] = batch_scaling(ctx, contexts[0])
         out["bytes"] = bytes_figures(ctx, out["latency_ms"], contexts, out.get("read_gbs", {}))
         out["growth"] = {}
+        bytes_growth = out["bytes"]["growth"]["paged"]["bytes"]
         for threads in THREADS[:1] if ctx.tiny else THREADS:
             torch.set_num_threads(threads)
-            out["growth"][f"{threads}t"] = growth_in_turns(ctx, contexts[0], contexts[-1], out["bytes"])
+            out["growth"][f"{threads}t"] = growth_in_turns(ctx, contexts[0], contexts[-1], bytes_growth)
         out["profile"] = {str(c): profile_step(ctx, c) for c in dict.fromkeys((contexts[0], contexts[-1]))}
     finally:
         torch.set_num_threads(threads_before)
@@ -229,7 +230,7 @@ def batch_scaling(ctx: BenchContext, context: int) -> dict:
             "batch_over_one": ratio(median(many), median(one))}
 
 
-def growth_in_turns(ctx: BenchContext, first: int, last: int, by: dict) -> dict:
+def growth_in_turns(ctx: BenchContext, first: int, last: int, bytes_growth: float) -> dict:
     """The paged step at the first and the last context, the two runners taking turns (TURN steps each, ROUNDS
     rounds, the first round and each turn's first WARMUP steps not counted), so that both sides of the ratio see
     the same minutes of the machine: its growth against the growth of the bytes it reads."""
@@ -244,9 +245,8 @@ def growth_in_turns(ctx: BenchContext, first: int, last: int, by: dict) -> dict:
     for runner in runners.values():
         runner.cache.release(0)
     latency = ratio(median(samples[last]), median(samples[first]))
-    read = by["growth"]["paged"]["bytes"]
     return {"first": first, "last": last, "first_ms": median(samples[first]), "last_ms": median(samples[last]),
-            "latency": latency, "bytes": read, "over_bytes": ratio(latency, read)}
+            "latency": latency, "bytes": bytes_growth, "over_bytes": ratio(latency, bytes_growth)}
 
 
 def bytes_figures(ctx: BenchContext, latency: dict, contexts: list[int], read_gbs: dict[str, float]) -> dict:
