@@ -138,7 +138,8 @@ def tiny_server(tiny_config, tokenizer):
         yield s
 
 
-def test_the_bench_measures_every_client_count_and_reports_the_absent_peer(tiny_server, tmp_path):
+def test_the_bench_measures_every_client_count_and_reports_the_absent_peer(tiny_server, tiny_engine_factory,
+                                                                          tmp_path):
     raw = serve.measure({serve.KVSCOPE: tiny_server.url}, max_tokens=4)
     assert set(raw[serve.KVSCOPE]) == {f"{m}/{n}" for m in serve.MODES for n in serve.CLIENTS}
     for n in serve.CLIENTS:
@@ -149,6 +150,13 @@ def test_the_bench_measures_every_client_count_and_reports_the_absent_peer(tiny_
               "pool_fit": {"budget_tokens": 256, "budget_bytes": 2**20, "paged": 3, "paged_preemptions": 0,
                            "paged_errors": 0, "contiguous": 1, "contiguous_reservation_bytes": 2**20, "requests": 4}}
     assert sum(g["total"] for g in result["greedy"].values()) == sum(serve.CLIENTS)
+    ctx = BenchContext(tiny_engine_factory(), None, quick=True, tiny=True)
+    result["turns"] = serve.in_turns(tiny_server.url, max_tokens=4, rounds=2,
+                                     engine_step=lambda: serve.engine_step_ms(ctx, max_tokens=4, samples=3))
+    assert set(result["turns"]["clients"]) == {str(n) for n in serve.TURN_CLIENTS}
+    assert len(result["turns"]["engine_step_samples_ms"]) == 2 * 3  # before each of the two one-client runs
+    for n, runs in result["turns"]["clients"].items():
+        assert len(runs["tok_s_runs"]) == 2 and 0 < runs["gaps"] <= 2 * 3 * int(n)
     by_name = {t.name: t for t in targets.serve_targets(result)}
     vs_peer = [t for name, t in by_name.items() if "vs llama-server" in name]
     assert len(vs_peer) == 6 and all(t.passed is None and "absent" in t.why for t in vs_peer)
@@ -156,8 +164,47 @@ def test_the_bench_measures_every_client_count_and_reports_the_absent_peer(tiny_
     assert greedy.measured is not None and "llama-server not run" in greedy.why
     text = serve.summarize(json.loads(json.dumps(result)))  # what results.json gives back
     assert "llama-server: absent: no llama-server" in text and "| 16 | kvscope |" in text
+    assert "kvscope in turns (2 rounds" in text
     serve.plot(result, tmp_path / "serve.png")
     assert (tmp_path / "serve.png").stat().st_size > 0
+
+
+def test_each_round_in_turns_runs_every_client_count_once_starting_one_count_later():
+    assert serve.turn_order((1, 4, 16), 3) == [1, 4, 16, 4, 16, 1, 16, 1, 4]
+    assert serve.turn_order((1, 4, 16), 4)[-3:] == [1, 4, 16]
+
+
+def test_the_ratio_targets_read_the_runs_in_turns_and_keep_the_tables_in_their_why():
+    def run(tok_s, p50, p99):
+        return {"tok_s": tok_s, "itl_p50_ms": p50, "itl_p99_ms": p99}
+
+    # the table's one-client run in a slow phase: its ratios look better than the machine is
+    table = {"batched/1": run(50.0, 10.0, 12.0), "batched/4": run(180.0, 7.0, 15.0),
+             "batched/16": run(200.0, 20.0, 30.0)}
+    turns = {"rounds": 3, "clients": {"1": run(100.0, 5.0, 8.0), "4": run(180.0, 7.0, 14.0),
+                                      "16": run(350.0, 20.0, 30.0)}}
+    apart = {t.name: t for t in targets.serve_targets({"streams": table})}
+    together = {t.name: t for t in targets.serve_targets({"streams": table, "turns": turns})}
+    throughput, p99 = ("serve: aggregate tok/s, 16 streams / 1 stream",
+                       "serve: p99 inter-token latency with 4 clients / single-client median")
+    assert apart[throughput].measured == pytest.approx(4.0) and apart[p99].measured == pytest.approx(1.5)
+    assert apart[p99].passed and "turns" not in apart[p99].why
+    assert together[throughput].measured == pytest.approx(3.5) and not together[throughput].passed
+    assert together[p99].measured == pytest.approx(2.8) and not together[p99].passed
+    assert "3 rounds in turns" in together[p99].why and "minutes apart: 4x and 1.5x" in together[p99].why
+
+
+def test_the_serving_path_reads_the_engines_steps_timed_between_the_runs_in_turns():
+    one = {"tok_s": 130.0, "itl_p50_ms": 7.2, "itl_p99_ms": 11.0}  # the table's one-client run in a slow phase
+    turns = {"rounds": 3, "clients": {"1": {"tok_s": 200.0, "itl_p50_ms": 5.0, "itl_p99_ms": 8.0}},
+             "engine_step_ms": 4.8}
+    name = "serve: one client's inter-token p50 / the engine's own decode step"
+    apart = {t.name: t for t in targets.serve_targets({"streams": {"batched/1": one}, "engine_step_ms": 4.8})}
+    together = {t.name: t for t in targets.serve_targets({"streams": {"batched/1": one}, "engine_step_ms": 4.8,
+                                                          "turns": turns})}
+    assert apart[name].measured == pytest.approx(1.5) and not apart[name].passed
+    assert together[name].measured == pytest.approx(5.0 / 4.8) and together[name].passed
+    assert "before and after the servers: 1.5x" in together[name].why
 
 
 def test_the_engines_own_step_is_timed_at_a_one_client_context(tiny_engine_factory):

@@ -10,6 +10,9 @@ concurrent requests fit the pool.
 2. The engine's own decode step, in this process, for the one-client target (the serving path's cost per token).
 3. Concurrent requests that fit one KV budget: paged (measured: the scheduler's peak running batch over a real
    run) against contiguous (the budget over one reservation, which is a whole context per sequence).
+4. The ratio targets' client counts (1, 4 and 16) on `main.py serve` in turns, after the peer stops: the table's
+   runs are minutes apart and the machine's speed moves between them, so each ratio's two sides are also measured
+   round by round in the same minutes, and the targets read those.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -33,6 +37,7 @@ MODES = ("batched", "one at a time")
 KVSCOPE, LLAMA_SERVER = "kvscope", "llama-server"
 MAX_TOKENS, QUICK_MAX_TOKENS = 64, 24
 STEP_SAMPLES, QUICK_STEP_SAMPLES = 32, 12
+TURN_CLIENTS, TURN_ROUNDS = (1, 4, 16), 3  # the ratio targets' client counts, measured in turns
 FIT_REQUESTS, FIT_PROMPT_TOKENS, FIT_NEW_TOKENS = 96, 100, 16
 TINY_MAX_TOKENS, TINY_FIT_REQUESTS = 8, 24  # --tiny: every code path, on a random model
 TOPICS = ("a lighthouse keeper", "a lost robot", "the first bakery on Mars", "a dragon who feared heights",
@@ -56,7 +61,11 @@ METHOD = (
     "half after they stop). Pool fit: {fit_requests} "
     "requests of ~{fit_prompt} prompt tokens and {fit_new} new tokens submitted at once to the scheduler in this "
     "process, with a KV budget of one context; paged = the largest running batch seen; contiguous = budget / one "
-    "reservation (it reserves a whole context per sequence)."
+    "reservation (it reserves a whole context per sequence). In turns: after the peer stops, {rounds} rounds of "
+    "batched runs of {turn_clients} clients on `main.py serve`, each round starting one count later; the ratio "
+    "targets (16 streams / 1, p99 at 4 clients / the one-client median) read these (tok/s: the rounds' median; "
+    "latencies: all rounds' gaps), so both sides of a ratio ran in the same minutes; so does the serving path's "
+    "(one client's ITL p50 / the engine's own step, timed in this process right before each one-client run)."
 )
 
 
@@ -85,15 +94,19 @@ def run(ctx: BenchContext, quick: bool) -> dict:
         finally:
             if peer is not None:
                 peer.stop()
+        status(f"serve: {', '.join(map(str, TURN_CLIENTS))} clients in turns ({TURN_ROUNDS} rounds)")
+        turns = in_turns(server.url, max_tokens, TURN_ROUNDS,
+                         engine_step=lambda: engine_step_ms(ctx, max_tokens, max(4, samples // 2)))
     step += engine_step_ms(ctx, max_tokens, samples)
     peer_args = peer.config.describe() if peer else "absent"
     status("serve: concurrent requests that fit one KV budget, paged vs contiguous")
     return {"method": METHOD.format(max_tokens=max_tokens, weights=engine.weight_format, kv_dtype=engine.kv_dtype_name,
                                     peer_args=peer_args, step_samples=len(step), fit_requests=fit_requests,
-                                    fit_prompt=FIT_PROMPT_TOKENS, fit_new=FIT_NEW_TOKENS),
+                                    fit_prompt=FIT_PROMPT_TOKENS, fit_new=FIT_NEW_TOKENS, rounds=TURN_ROUNDS,
+                                    turn_clients=", ".join(map(str, TURN_CLIENTS))),
             "clients": list(CLIENTS), "max_tokens": max_tokens, "threads": threads,
             "engine_step_ms": statistics.median(step), "engine_step_samples_ms": step,
-            **stream_results(raw, peer_status, peer_args), "pool_fit": pool_fit(ctx, fit_requests)}
+            **stream_results(raw, peer_status, peer_args), "turns": turns, "pool_fit": pool_fit(ctx, fit_requests)}
 
 
 def stream_results(raw: dict[str, dict], peer_status: str, peer_args: str) -> dict:
@@ -120,6 +133,34 @@ def measure(urls: dict[str, str], max_tokens: int) -> dict[str, dict[str, dict]]
                 raw[name][f"{mode}/{n}"] = asyncio.run(_clients(urls[name], models[name], n, max_tokens,
                                                                 mode == "batched"))
     return raw
+
+
+def turn_order(clients: tuple[int, ...], rounds: int) -> list[int]:
+    """Each round every client count once, the round starting one count later than the one before."""
+    return [n for r in range(rounds) for n in clients[r % len(clients):] + clients[:r % len(clients)]]
+
+
+def in_turns(url: str, max_tokens: int, rounds: int, clients: tuple[int, ...] = TURN_CLIENTS,
+             engine_step: Callable[[], list[float]] | None = None) -> dict:
+    """Batched runs of each client count on one server, `rounds` times, each round starting one count later:
+    {"rounds", "clients": {n: {"tok_s" (the rounds' median), "tok_s_runs", "itl_p50_ms", "itl_p99_ms" (all rounds'
+    gaps), "gaps"}}}; with engine_step (the engine's own steps in this process, ms), it runs right before each
+    one-client run, its samples in "engine_step_ms" (median) and "engine_step_samples_ms"."""
+    model = _model_id(url)
+    runs: dict[int, list[dict]] = {n: [] for n in clients}
+    steps: list[float] = []
+    for n in turn_order(clients, rounds):
+        if n == 1 and engine_step is not None:
+            steps += engine_step()
+        runs[n].append(asyncio.run(_clients(url, model, n, max_tokens, together=True)))
+    out = {}
+    for n, done in runs.items():
+        rates = [d["tokens"] / d["wall_s"] for d in done]
+        gaps = np.array([g for d in done for g in d["gaps_ms"]] or [np.nan])
+        out[str(n)] = {"tok_s": float(np.median(rates)), "tok_s_runs": rates, "gaps": int(np.isfinite(gaps).sum()),
+                       "itl_p50_ms": float(np.nanpercentile(gaps, 50)), "itl_p99_ms": float(np.nanpercentile(gaps, 99))}
+    return {"rounds": rounds, "clients": out,
+            **({"engine_step_ms": statistics.median(steps), "engine_step_samples_ms": steps} if steps else {})}
 
 
 def _model_id(url: str) -> str:
@@ -280,10 +321,20 @@ def summarize(r: dict) -> str:
         f"llama-server: {peer.get('status', 'not run')}.",
         report.md_table(headers, rows),
         f"The engine's own decode step (in process, one sequence): median {report.fmt(r.get('engine_step_ms'))} ms.",
+        _turns_line(r.get("turns")),
         f"Concurrent requests that fit a KV budget of {fit['budget_tokens']:,} tokens "
         f"({fit['budget_bytes'] / 2**20:.0f} MiB), {fit['requests']} submitted:",
         report.md_table(["strategy", "concurrent requests", "note"], fit_rows),
         report.md_table(["target", "goal", "measured", "verdict", "why"], target_rows))
+
+
+def _turns_line(turns: dict | None) -> str:
+    if not turns:
+        return ""
+    runs = [f"{n} client(s) {report.fmt(c['tok_s'])} tok/s, ITL p50 {report.fmt(c['itl_p50_ms'])} ms and p99 "
+            f"{report.fmt(c['itl_p99_ms'])} ms" for n, c in turns["clients"].items()]
+    head = f"kvscope in turns ({turns['rounds']} rounds, batched; what the ratio targets read): "
+    return head + "; ".join(runs) + "."
 
 
 SERIES_COLORS = {KVSCOPE: report.color("paged"), LLAMA_SERVER: report.color("llama.cpp")}
