@@ -62,10 +62,11 @@ METHOD = (
     "requests of ~{fit_prompt} prompt tokens and {fit_new} new tokens submitted at once to the scheduler in this "
     "process, with a KV budget of one context; paged = the largest running batch seen; contiguous = budget / one "
     "reservation (it reserves a whole context per sequence). In turns: after the peer stops, {rounds} rounds of "
-    "batched runs of {turn_clients} clients on `main.py serve`, each round starting one count later; the ratio "
-    "targets (16 streams / 1, p99 at 4 clients / the one-client median) read these (tok/s: the rounds' median; "
-    "latencies: all rounds' gaps), so both sides of a ratio ran in the same minutes; so does the serving path's "
-    "(one client's ITL p50 / the engine's own step, timed in this process right before each one-client run)."
+    "batched runs of {turn_clients} clients on `main.py serve`, each round starting one count later, every run's "
+    "prompts new (the story prompts with 'This is draft k.' added: their last blocks are computed, not cached); "
+    "the ratio targets (16 streams / 1, p99 at 4 clients / the one-client median) read these (tok/s: the rounds' "
+    "median; latencies: all rounds' gaps), so both sides of a ratio ran in the same minutes; so does the serving "
+    "path's (one client's ITL p50 / the engine's own step, timed in this process right before each one-client run)."
 )
 
 
@@ -149,10 +150,11 @@ def in_turns(url: str, max_tokens: int, rounds: int, clients: tuple[int, ...] = 
     model = _model_id(url)
     runs: dict[int, list[dict]] = {n: [] for n in clients}
     steps: list[float] = []
-    for n in turn_order(clients, rounds):
+    for k, n in enumerate(turn_order(clients, rounds)):
         if n == 1 and engine_step is not None:
             steps += engine_step()
-        runs[n].append(asyncio.run(_clients(url, model, n, max_tokens, together=True)))
+        # prompts of their own each run: their last blocks computed, not served by the prefix cache
+        runs[n].append(asyncio.run(_clients(url, model, n, max_tokens, together=True, draft=k + 1)))
     out = {}
     for n, done in runs.items():
         rates = [d["tokens"] / d["wall_s"] for d in done]
@@ -169,7 +171,7 @@ def _model_id(url: str) -> str:
     return httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
 
 
-async def _clients(url: str, model: str, n: int, max_tokens: int, together: bool) -> dict:
+async def _clients(url: str, model: str, n: int, max_tokens: int, together: bool, draft: int = 0) -> dict:
     import httpx
 
     # a new connection per request: a kept-alive one that the server closes as the next request goes out would
@@ -177,7 +179,7 @@ async def _clients(url: str, model: str, n: int, max_tokens: int, together: bool
     limits = httpx.Limits(max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         start = time.perf_counter()
-        jobs = [_stream(client, model, TOPICS[i % len(TOPICS)], max_tokens) for i in range(n)]
+        jobs = [_stream(client, model, TOPICS[i % len(TOPICS)], max_tokens, draft) for i in range(n)]
         if together:
             results = await asyncio.gather(*jobs)
         else:
@@ -188,8 +190,9 @@ async def _clients(url: str, model: str, n: int, max_tokens: int, together: bool
             "texts": [r["text"] for r in results]}
 
 
-async def _stream(client, model: str, topic: str, max_tokens: int) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": f"Write a long story about {topic}."}],
+async def _stream(client, model: str, topic: str, max_tokens: int, draft: int = 0) -> dict:
+    ask = f"Write a long story about {topic}." + (f" This is draft {draft}." if draft else "")
+    body = {"model": model, "messages": [{"role": "user", "content": ask}],
             "max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     sent, arrivals, tokens, parts = time.perf_counter(), [], None, []
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
