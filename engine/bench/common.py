@@ -207,6 +207,12 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def rotated(items: list | tuple, round_: int) -> list:
+    """The order a round of turns takes: round r starts at the r-th item and goes round the list."""
+    start = round_ % len(items)
+    return [*items[start:], *items[:start]]
+
+
 # ---- progress and messages
 def bar(iterable: Iterable, desc: str, total: int | None = None) -> tqdm:
     return tqdm(iterable, desc=desc, total=total, file=sys.stderr, leave=False, dynamic_ncols=True)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import numpy as np
 
 from engine.bench import report
-from engine.bench.common import BenchContext, make_cache, status, using_cache
+from engine.bench.common import BenchContext, make_cache, rotated, status, using_cache
 from engine.chat import Message, prompt_ids
 from engine.config import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -138,7 +138,7 @@ def measure(urls: dict[str, str], max_tokens: int) -> dict[str, dict[str, dict]]
 
 def turn_order(clients: tuple[int, ...], rounds: int) -> list[int]:
     """Each round every client count once, the round starting one count later than the one before."""
-    return [n for r in range(rounds) for n in clients[r % len(clients):] + clients[:r % len(clients)]]
+    return [n for r in range(rounds) for n in rotated(clients, r)]
 
 
 def in_turns(url: str, max_tokens: int, rounds: int, clients: tuple[int, ...] = TURN_CLIENTS,

@@ -23,6 +23,7 @@ from engine.bench.common import (
     prefill,
     random_ids,
     ratio,
+    rotated,
     status,
     timed_ms,
     using_cache,
@@ -156,8 +157,7 @@ def schedule(names: list[str], engines: set[str]) -> list[tuple[str, int, bool]]
     probe) is preceded by the SETTLER's steps, not counted (SETTLE_MAX: at most; `settle` stops at SETTLE_MS)."""
     turns, previous = [], None
     for round_ in range(ROUNDS):
-        start = round_ % len(names)
-        for name in names[start:] + names[:start]:
+        for name in rotated(names, round_):
             if name in engines and previous is not None and previous not in engines:
                 turns.append((SETTLER, SETTLE_MAX, False))
             turns += [(name, WARMUP, False), (name, TURN - WARMUP, round_ > 0)]
