@@ -29,6 +29,10 @@
 #include <utility>
 #include <vector>
 
+#ifdef __linux__
+#include <pthread.h>
+#endif
+
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -227,6 +231,9 @@ class ChunkPool {
   }
 
   void serve(int64_t index) {
+#ifdef __linux__
+    pthread_setname_np(pthread_self(), "kvscope-pool");  // (top -H, perf and the scheduler's tools name it)
+#endif
     uint64_t seen = claim_.load() >> 48;
     for (;;) {
       uint64_t job = wait_for_job(seen);
