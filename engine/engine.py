@@ -222,6 +222,16 @@ class Engine:
             self.config = old_config
             raise
 
+    def reserve_kv_pool(self) -> int:
+        """A paged pool's whole budget held now, its pages written, and kept (see PagedCache.reserve): what `serve`
+        does before it takes requests. -> the bytes held; 0 for a cache that is not a pool. A new cache (set_cache,
+        set_kv_budget, ...) starts growing again."""
+        reserve = getattr(self.cache, "reserve", None)
+        if reserve is None:
+            return 0
+        reserve()
+        return self.cache.bytes_allocated()
+
     def set_prefix_reuse(self, on: bool) -> None:
         """Keep each conversation's cache between turns (on) or prefill the whole history every turn (off)."""
         self.config = EngineConfig(**{**self.config.__dict__, "prefix_reuse": on})

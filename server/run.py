@@ -1,4 +1,5 @@
-"""`main.py serve`: load the engine, start the scheduler's thread, serve HTTP with uvicorn until interrupted."""
+"""`main.py serve`: load the engine, hold its KV pool's whole budget, start the scheduler's thread, serve HTTP with
+uvicorn until interrupted."""
 
 from __future__ import annotations
 
@@ -70,6 +71,7 @@ def run_serve(args) -> int:
         batching = SchedulerConfig(max_concurrency=args.max_concurrency,
                                    **({} if rows is None else {"prefill_rows_while_decoding": rows}))
         engine = Engine.load(args.model, config)
+        held = engine.reserve_kv_pool()  # the whole KV budget now: no growth beside the steps while it serves
         scheduler = Scheduler(engine, batching)
     except Exception as e:  # noqa: BLE001 - a clear message and an exit code, not a traceback
         sock.close()
@@ -81,8 +83,9 @@ def run_serve(args) -> int:
     app = create_app(scheduler, engine.model_name, args.api_key, max_body_bytes=max_body)
     scheduler.start()
     port = sock.getsockname()[1]  # --port 0: the one the system chose
+    pool = f", KV pool {held / 2**20:.0f} MiB held" if held else ""
     print(f"kvscope: serving {engine.model_name} ({engine.cache_strategy}, block size {engine.block_size}, "
-          f"context {engine.max_context}) on http://{args.host}:{port}", file=sys.stderr, flush=True)
+          f"context {engine.max_context}{pool}) on http://{args.host}:{port}", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=port, log_level="warning", timeout_graceful_shutdown=2,
                             http=JSONErrorH11Protocol)
     try:

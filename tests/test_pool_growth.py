@@ -1,5 +1,6 @@
 """A paged pool starts empty and grows with its sequences, in chunks, up to a budget; growth never moves a held
-block, a sequence spread over chunks attends exactly as over one tensor, and trailing free chunks go back."""
+block, a sequence spread over chunks attends exactly as over one tensor, and trailing free chunks go back; a
+server's pool is held whole from the start instead."""
 
 from __future__ import annotations
 
@@ -291,3 +292,41 @@ def test_releasing_gives_back_the_trailing_chunks_whose_blocks_are_all_free(tiny
     assert cache.pool.num_cached >= 1 and not cache.pool.can_give_back(4)
     feed(engine, 20, distinct(20, 100))  # and it grows again
     assert cache.layout.sizes == [4, 4, 8]
+
+
+# ---- a server's pool: held whole from the start ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", PAGED)
+def test_a_reserved_pool_holds_its_whole_budget_from_the_start_and_never_gives_it_back(tiny_engine_factory, strategy):
+    engine = tiny_engine_factory(strategy, BS, max_context=1024)
+    cache = engine.cache
+    held = engine.reserve_kv_pool()
+    assert cache.layout.sizes == [4, 4, 8, 16, 32] and cache.layout.next_chunk_blocks() == 0
+    assert held == engine.kv_stats().bytes_budget == engine.kv_stats().bytes_allocated
+    assert all(t.count_nonzero() == 0 for t in cache.storage_tensors())
+    storage = [t.data_ptr() for t in cache.storage_tensors()]
+    for seq_id in range(10, 16):  # what made a growing pool grow and give back (the test above)
+        feed(engine, seq_id, distinct(seq_id, 10))
+    for seq_id in range(10, 16):
+        engine.cache.release(seq_id)
+    assert cache.give_back() == 0 and [t.data_ptr() for t in cache.storage_tensors()] == storage
+    cache.pool.check_invariants()
+    assert (cache.pool.num_used, engine.kv_stats().bytes_allocated) == (0, held)
+
+
+@pytest.mark.parametrize("strategy", PAGED)
+def test_a_reserved_pool_decodes_the_bits_a_growing_pool_decodes(tiny_engine_factory, strategy):
+    grown, reserved = (tiny_engine_factory(strategy, BS, max_context=1024) for _ in range(2))
+    reserved.reserve_kv_pool()
+    prompt = distinct(1, 300)
+    for engine in (grown, reserved):
+        for start in range(0, 300, 50):
+            feed(engine, 1, prompt[start:start + 50])
+    for token in distinct(2, 20):
+        assert torch.equal(feed(grown, 1, [token]), feed(reserved, 1, [token]))
+
+
+def test_a_cache_that_is_not_a_pool_holds_nothing_more(tiny_engine_factory):
+    engine = tiny_engine_factory("contiguous", BS, max_context=1024)
+    assert engine.reserve_kv_pool() == 0 and engine.kv_stats().bytes_allocated == 0

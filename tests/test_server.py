@@ -243,6 +243,19 @@ def test_metrics_publish_vllm_style_names_and_the_pool(server):
     assert 'model_name="tiny"' in text
 
 
+def test_the_server_holds_its_whole_kv_pool_from_the_start_and_keeps_it(server, client):
+    """No chunk grows beside the decode steps or goes back between requests: the pool's budget is held and its
+    pages written before the first request (engine.kv.paged.PagedCache.reserve)."""
+    total = metric(server.url, "kvscope:kv_blocks_total")
+    held = metric(server.url, "kvscope:kv_cache_bytes_allocated")
+    assert total > 0 and metric(server.url, "kvscope:kv_blocks_allocated") == total
+    stream_text(client, "Tell me a long story " * 20, max_tokens=40)
+    wait_until_idle(server)
+    assert metric(server.url, "kvscope:kv_blocks_allocated") == total
+    assert metric(server.url, "kvscope:kv_cache_bytes_allocated") == held
+    assert "KV pool" in server.log.read_text()
+
+
 def test_serve_limits_the_body_and_answers_unparsable_http_in_json(model_dir):
     import socket
 
