@@ -115,7 +115,8 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--cache", choices=CACHE_STRATEGIES, default="paged", help="KV-cache strategy")
     serve.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=None, help="paged block size (tokens)")
     serve.add_argument("--pool-tokens", type=int,
-                       help="paged pool capacity in tokens, held from the start (default: one context)")
+                       help="paged pool capacity in tokens, held from the start up to a quarter of the memory "
+                            "available (default: one context)")
     serve.add_argument("--weights", choices=WEIGHT_FORMATS, default=None,
                        help="weight format (default auto: the fastest single-token decode measured on this machine)")
     add_kv_dtype_option(serve)

@@ -222,15 +222,12 @@ class Engine:
             self.config = old_config
             raise
 
-    def reserve_kv_pool(self) -> int:
-        """A paged pool's whole budget held now, its pages written, and kept (see PagedCache.reserve): what `serve`
-        does before it takes requests. -> the bytes held; 0 for a cache that is not a pool. A new cache (set_cache,
-        set_kv_budget, ...) starts growing again."""
+    def reserve_kv_pool(self, max_bytes: int | None = None) -> int:
+        """A paged pool grown now to its whole budget, or as far as max_bytes allows, its pages written, and kept
+        (see PagedCache.reserve): what `serve` does before it takes requests. -> the bytes held; 0 for a cache that
+        is not a pool. A new cache (set_cache, set_kv_budget, ...) starts empty again."""
         reserve = getattr(self.cache, "reserve", None)
-        if reserve is None:
-            return 0
-        reserve()
-        return self.cache.bytes_allocated()
+        return 0 if reserve is None else reserve(max_bytes)
 
     def set_prefix_reuse(self, on: bool) -> None:
         """Keep each conversation's cache between turns (on) or prefill the whole history every turn (off)."""

@@ -42,6 +42,26 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def hold_limit(device) -> int | None:
+    """The most of a paged pool's budget `serve` holds from the start: a quarter of the memory the device has
+    available (a model's default budget is one whole context: 4 GiB of float16 KV for Llama-3.2-1B's 131,072 tokens,
+    16 GiB for Llama-3-8B's); None (all of it) when that cannot be told."""
+    from engine.machine import available_memory
+
+    available = available_memory(device)
+    return None if available is None else available // 4
+
+
+def kv_pool_note(budget: int, held: int) -> str:
+    """The startup line's words on the KV pool: held whole, or how much of it (the rest grows as requests need)."""
+    if not budget:
+        return ""  # not a pool
+    if held >= budget:
+        return f", KV pool {held / 2**20:.0f} MiB held"
+    return (f", KV pool {held / 2**20:.0f} of {budget / 2**20:.0f} MiB held (a quarter of the memory available), "
+            f"the rest grown as requests need it")
+
+
 def run_serve(args) -> int:
     import uvicorn
 
@@ -71,7 +91,7 @@ def run_serve(args) -> int:
         batching = SchedulerConfig(max_concurrency=args.max_concurrency,
                                    **({} if rows is None else {"prefill_rows_while_decoding": rows}))
         engine = Engine.load(args.model, config)
-        held = engine.reserve_kv_pool()  # the whole KV budget now: no growth beside the steps while it serves
+        held = engine.reserve_kv_pool(hold_limit(engine.device))  # no growth beside the steps while it serves
         scheduler = Scheduler(engine, batching)
     except Exception as e:  # noqa: BLE001 - a clear message and an exit code, not a traceback
         sock.close()
@@ -83,7 +103,7 @@ def run_serve(args) -> int:
     app = create_app(scheduler, engine.model_name, args.api_key, max_body_bytes=max_body)
     scheduler.start()
     port = sock.getsockname()[1]  # --port 0: the one the system chose
-    pool = f", KV pool {held / 2**20:.0f} MiB held" if held else ""
+    pool = kv_pool_note(engine.kv_stats().bytes_budget, held)
     print(f"kvscope: serving {engine.model_name} ({engine.cache_strategy}, block size {engine.block_size}, "
           f"context {engine.max_context}{pool}) on http://{args.host}:{port}", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=port, log_level="warning", timeout_graceful_shutdown=2,

@@ -327,6 +327,24 @@ def test_a_reserved_pool_decodes_the_bits_a_growing_pool_decodes(tiny_engine_fac
         assert torch.equal(feed(grown, 1, [token]), feed(reserved, 1, [token]))
 
 
+@pytest.mark.parametrize("strategy", PAGED)
+def test_a_pool_reserved_up_to_a_limit_holds_the_chunks_that_fit_and_grows_past_them_as_before(tiny_engine_factory,
+                                                                                                 strategy):
+    engine = tiny_engine_factory(strategy, BS, max_context=1024)
+    cache, per_block = engine.cache, engine.cache.bytes_per_block()
+    assert engine.reserve_kv_pool(max_bytes=20 * per_block) == 16 * per_block  # 4 + 4 + 8 blocks; 16 more would not fit
+    assert cache.layout.sizes == [4, 4, 8]
+    short = range(10, 30)
+    for seq_id in short:  # twenty sequences of one partly filled (unhashed) block each: past what the pool holds
+        feed(engine, seq_id, distinct(seq_id, 10))
+    assert cache.layout.sizes == [4, 4, 8, 16]
+    for seq_id in short:
+        cache.release(seq_id)
+    assert cache.layout.sizes == [4, 4, 8]  # the grown chunk goes back, the held ones stay, all their blocks free
+    cache.pool.check_invariants()
+    assert cache.pool.num_free == 16 and cache.give_back() == 0
+
+
 def test_a_cache_that_is_not_a_pool_holds_nothing_more(tiny_engine_factory):
     engine = tiny_engine_factory("contiguous", BS, max_context=1024)
     assert engine.reserve_kv_pool() == 0 and engine.kv_stats().bytes_allocated == 0

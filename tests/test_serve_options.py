@@ -1,13 +1,15 @@
 """`main.py serve --max-body-bytes N`: the flag, else KVSCOPE_MAX_BODY_BYTES, else 4 MiB; a bad value is a clear
 error before the model loads. (The limit itself, 413 JSON, over real HTTP: tests/test_server.py.) The same for
-`--prefill-rows-while-decoding N` (the scheduler's rule itself: tests/test_scheduler.py)."""
+`--prefill-rows-while-decoding N` (the scheduler's rule itself: tests/test_scheduler.py). And how much of its KV pool
+`serve` holds from the start (the pool held: tests/test_pool_growth.py and tests/test_server.py)."""
 
 from __future__ import annotations
 
 import pytest
 
+from engine.machine import available_memory
 from server.limits import DEFAULT_MAX_BODY_BYTES
-from server.run import max_body_bytes
+from server.run import hold_limit, kv_pool_note, max_body_bytes
 
 
 def test_the_flag_wins_over_the_environment_which_wins_over_the_default():
@@ -43,3 +45,18 @@ def test_serve_refuses_prefill_rows_below_one_before_it_loads_any_model(capsys, 
     assert main.main(["serve", "--prefill-rows-while-decoding", rows, "--model", str(missing)]) == 1
     err = capsys.readouterr().err
     assert f"--prefill-rows-while-decoding must be at least 1, not {rows}" in err and "no-such-model" not in err
+
+
+def test_serve_holds_at_most_a_quarter_of_the_memory_the_machine_has_available():
+    available = available_memory("cpu")
+    assert available is not None and available > 0  # Linux's MemAvailable (the CI machines)
+    assert abs(hold_limit("cpu") - available // 4) < available // 20  # (read twice: the machine moves on)
+    assert available_memory("meta") is None and hold_limit("meta") is None  # cannot be told: the whole budget
+
+
+def test_the_startup_line_says_whether_the_pool_is_held_whole():
+    mib = 2**20
+    assert kv_pool_note(0, 0) == ""  # not a pool (contiguous)
+    assert kv_pool_note(180 * mib, 180 * mib) == ", KV pool 180 MiB held"
+    assert kv_pool_note(4096 * mib, 1984 * mib) == (", KV pool 1984 of 4096 MiB held (a quarter of the memory "
+                                                    "available), the rest grown as requests need it")

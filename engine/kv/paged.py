@@ -167,7 +167,7 @@ class PagedCache(KVCache):
         self.stores_by_layer: list[list[list[torch.Tensor]]] = []  # per storage tensor and layer: every chunk's view
         self.layer_groups: list[list[torch.Tensor]] = []  # per layer: stores_by_layer's groups, one after another
         self._next_chunk: tuple[int, Future] | None = None  # (its blocks, its tensors): see _prepare_next_chunk
-        self.reserved = False  # the whole budget held, never given back: see reserve
+        self.held_chunks = 0  # the chunks reserve made: never given back
 
     def _max_blocks(self, pool_tokens: int | None, budget_bytes: int | None) -> int:
         """The budget in blocks: pool_tokens and budget_bytes where given, else one context's worth."""
@@ -243,27 +243,29 @@ class PagedCache(KVCache):
         except Exception:  # noqa: BLE001 - made here instead, where a failure is reported as a growth's own
             return None
 
-    def reserve(self) -> None:
-        """Grow to the whole budget now, every page written, and keep it: no growth or give-back from then on, as
-        `serve` holds its pool (llama-server its context, vLLM its blocks). A pool that grew while it served wrote
-        each new chunk's pages beside the decode steps, gave chunks back between requests and faulted them in again:
-        4 streams in process on the model-167 Xeon, inter-token p99 11.7-13.2 ms and 27-32 steps of 920 at over
-        1.7x the median, against 7.1-7.3 ms and 0-1 with the pool held; 16 streams 24.4 / 89 ms p99 / largest gap
-        against 19.9 / 22.9."""
-        while self.layout.next_chunk_blocks():
+    def reserve(self, max_bytes: int | None = None) -> int:
+        """Grow now, chunk by chunk, to the whole budget or as far as max_bytes allows, every page written, and keep
+        those chunks: give_back never goes below them (past them the pool grows and gives back as before). `serve`
+        does this before its first request, as llama-server holds its context and vLLM its blocks: a pool that grew
+        while it served wrote each new chunk's pages beside the decode steps, gave chunks back between requests and
+        faulted them in again (4 streams in process on the model-167 Xeon: inter-token p99 11.7-13.2 ms and 27-32
+        steps of 920 at over 1.7x the median, against 7.1-7.3 ms and 0-1 with the pool held; 16 streams 24.4 / 89 ms
+        p99 / largest gap against 19.9 / 22.9). -> the bytes held."""
+        per_block = self.bytes_per_block()
+        while (blocks := self.layout.next_chunk_blocks()) and (
+                max_bytes is None or self.bytes_allocated() + blocks * per_block <= max_bytes):
             self._grow()
         for chunk in self.chunks:
             for t in chunk:
                 t.zero_()  # (zeros already: every page written now, not in a decode step)
-        self.reserved = True
+        self.held_chunks = len(self.chunks)
+        return self.bytes_allocated()
 
     def give_back(self) -> int:
-        """Give back trailing chunks whose blocks are all free (not used, not cached); returns the blocks. A
-        reserved pool gives nothing back."""
+        """Give back trailing chunks whose blocks are all free (not used, not cached), down to those reserve held;
+        returns the blocks."""
         returned = 0
-        if self.reserved:
-            return returned
-        while self.chunks and self.pool.can_give_back(self.layout.sizes[-1]):
+        while len(self.chunks) > self.held_chunks and self.pool.can_give_back(self.layout.sizes[-1]):
             self.pool.give_back(self.layout.sizes[-1])
             returned += self.layout.remove_last_chunk()
             self.chunks.pop()
