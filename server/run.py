@@ -1,5 +1,5 @@
-"""`main.py serve`: load the engine, hold its KV pool's whole budget, start the scheduler's thread, serve HTTP with
-uvicorn until interrupted."""
+"""`main.py serve`: load the engine, hold its KV pool (its budget, up to a quarter of the memory available), start the
+scheduler's thread, serve HTTP with uvicorn until interrupted."""
 
 from __future__ import annotations
 
