@@ -244,7 +244,7 @@ class ChunkPool {
 
   // Between jobs a worker yields its core instead of spinning on it: a thread woken meanwhile (the server's event
   // loop, its clients, the app's window) runs at once rather than after the worker's time slice. `serve` on the
-  // model-167 Xeon, three A/B runs of 10-14 rounds: one client's tok/s +5-7%, p99 at 4 clients 5-12% lower; the
+  // model-167 Xeon, three A/B runs of 10-14 rounds: one client's tok/s +6-8%, p99 at 4 clients 5-12% lower; the
   // same SPINS of pauses (~45 us here) or 16x as many (as long as the yields) gave no such gain; steps alone the same.
   uint64_t wait_for_job(uint64_t seen) {
     for (int i = 0; i < SPINS; ++i) {
