@@ -226,8 +226,7 @@ class Engine:
         """A paged pool grown now to its whole budget, or as far as max_bytes allows, its pages written, and kept
         (see PagedCache.reserve): what `serve` does before it takes requests. -> the bytes held; 0 for a cache that
         is not a pool. A new cache (set_cache, set_kv_budget, ...) starts empty again."""
-        reserve = getattr(self.cache, "reserve", None)
-        return 0 if reserve is None else reserve(max_bytes)
+        return self.cache.reserve(max_bytes)
 
     def set_prefix_reuse(self, on: bool) -> None:
         """Keep each conversation's cache between turns (on) or prefill the whole history every turn (off)."""

@@ -157,6 +157,11 @@ class KVCache(ABC):
     def window_bytes(self) -> int:
         return self.windows.nbytes() if self.windows else 0
 
+    def reserve(self, max_bytes: int | None = None) -> int:
+        """Hold the cache's memory ahead of its sequences, up to max_bytes (a pool: engine/kv/paged.py) -> the bytes
+        held; a cache that reserves per sequence holds nothing ahead."""
+        return 0
+
     @abstractmethod
     def release(self, seq_id: int) -> None:
         """Forget the sequence; its memory is reusable at once."""
