@@ -227,13 +227,16 @@ class ChunkPool {
 
   void start_workers(int64_t wanted) {
     wanted_.store(wanted);
-    while (static_cast<int64_t>(started_) < wanted) std::thread([this, i = started_++] { serve(i); }).detach();
+    while (static_cast<int64_t>(started_) < wanted) {
+      std::thread worker([this, i = started_++] { serve(i); });
+#ifdef __linux__
+      pthread_setname_np(worker.native_handle(), "kvscope-pool");  // (top -H, perf and the scheduler's tools name it)
+#endif
+      worker.detach();
+    }
   }
 
   void serve(int64_t index) {
-#ifdef __linux__
-    pthread_setname_np(pthread_self(), "kvscope-pool");  // (top -H, perf and the scheduler's tools name it)
-#endif
     uint64_t seen = claim_.load() >> 48;
     for (;;) {
       uint64_t job = wait_for_job(seen);
