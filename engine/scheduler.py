@@ -215,6 +215,8 @@ class Scheduler:
         self._turns = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._handoff: Callable[[], None] | None = None
+        self._emitted = False  # whether this tick has sent an output
         self._publish_stats()
 
     def _check_pool_holds_a_context(self) -> None:
@@ -265,6 +267,11 @@ class Scheduler:
             self._cancels.add(request_id)
             self._lock.notify()
 
+    def set_handoff(self, handoff: Callable[[], None] | None) -> None:
+        """handoff() runs on the engine thread at the end of each tick that sent outputs, before the next step: a
+        consumer on another thread (the server's event loop) can take them there (see server.app.LoopHandoff)."""
+        self._handoff = handoff
+
     def stats(self) -> SchedulerStats:
         return self._stats
 
@@ -309,6 +316,9 @@ class Scheduler:
         if batch:
             self._run_step(batch, feeds)
         self._publish_stats()
+        emitted, self._emitted = self._emitted, False
+        if emitted and self._handoff is not None:
+            self._handoff()
         return ran
 
     def _drain_inbox(self) -> None:
@@ -540,6 +550,7 @@ class Scheduler:
         for observe in self._observers:
             with contextlib.suppress(Exception):  # an observer never stops a request
                 observe(output)
+        self._emitted = True
         try:
             req.sink(output)
         except Exception:  # noqa: BLE001 - a consumer that went away cancels its request, nothing else

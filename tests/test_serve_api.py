@@ -22,7 +22,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model import LlamaModel
 from engine.scheduler import Scheduler
-from server.app import create_app
+from server.app import HANDOFF_TIMEOUT_S, LoopHandoff, create_app
 from server.limits import JSONErrorH11Protocol
 
 MODEL = "tiny"
@@ -361,6 +361,15 @@ def test_completions_stream_equals_the_whole_reply(client):
     stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0,
                                        stream=True)
     assert "".join(c.choices[0].text for c in stream if c.choices) == whole.choices[0].text
+
+
+def test_the_engine_thread_hands_each_ticks_outputs_to_the_loop_that_streams_them(server, client):
+    stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0,
+                                       stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices)
+    handoff = server.app.state.service.handoff
+    assert isinstance(handoff, LoopHandoff) and handoff.timeout_s == HANDOFF_TIMEOUT_S
+    assert handoff.loop.is_running() and server.scheduler._handoff is handoff  # uvicorn's loop, on its thread
 
 
 def test_a_prompt_of_token_ids_equals_its_text(server, tokenizer):

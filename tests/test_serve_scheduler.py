@@ -215,3 +215,24 @@ def test_an_observer_that_raises_stops_nothing(tiny_engine_factory):
     rid = sched.submit(prompt(10), greedy(3), col.sink)
     run(sched, [rid], col)
     assert len(col.tokens(rid)) == 3
+
+
+# ---- the handoff to the server's event loop ------------------------------------------------------------------------
+def test_the_handoff_runs_at_the_end_of_each_tick_that_sent_outputs_and_only_then(tiny_engine_factory):
+    sched, col = Scheduler(tiny_engine_factory(), SchedulerConfig(step_rows=8)), Collector()
+    events: list[str] = []
+    sched.set_handoff(lambda: events.append("handoff"))
+    sched.add_observer(lambda out: events.append("output"))
+    rid = sched.submit(prompt(40), greedy(4), col.sink)  # prefilled in five pieces: four ticks send nothing
+    ticks = 0
+    while not col.done(rid):
+        before = len(events)
+        sched.tick()
+        ticks += 1
+        tick = events[before:]
+        assert tick == [] or (tick[-1] == "handoff" and tick.count("handoff") == 1 and "output" in tick)
+    assert events.count("handoff") == 4 and ticks == 8  # a tick per token, the last one's with its finish
+    sched.set_handoff(None)
+    rid = sched.submit(prompt(10), greedy(2), col.sink)
+    run(sched, [rid], col)
+    assert events.count("handoff") == 4
