@@ -48,7 +48,8 @@ TOPICS = ("a lighthouse keeper", "a lost robot", "the first bakery on Mars", "a 
 METHOD = (
     "The servers run in child processes with the benchmark's thread count: `main.py serve` (paged cache, block "
     "16, its pool held whole from the start, max concurrency 16, the engine's weights {weights} and KV "
-    "{kv_dtype}) and, when present, llama.cpp's `llama-server` on the same GGUF (`{peer_args}`). Clients stream "
+    "{kv_dtype}; after each tick its engine thread waits, up to 2 ms, for the event loop to stream the tick's "
+    "tokens) and, when present, llama.cpp's `llama-server` on the same GGUF (`{peer_args}`). Clients stream "
     "over loopback with httpx (temperature 0, "
     "`max_tokens` {max_tokens}, one story prompt per client, the same prompts for both servers, a new connection "
     "per request). Batched: all "
