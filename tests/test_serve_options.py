@@ -1,15 +1,18 @@
 """`main.py serve --max-body-bytes N`: the flag, else KVSCOPE_MAX_BODY_BYTES, else 4 MiB; a bad value is a clear
 error before the model loads. (The limit itself, 413 JSON, over real HTTP: tests/test_server.py.) The same for
 `--prefill-rows-while-decoding N` (the scheduler's rule itself: tests/test_scheduler.py). And how much of its KV pool
-`serve` holds from the start (the pool held: tests/test_pool_growth.py and tests/test_server.py)."""
+`serve` holds from the start (the pool held: tests/test_pool_growth.py and tests/test_server.py), and its startup
+objects frozen out of the cyclic collector's walks."""
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 
 from engine.machine import available_memory
 from server.limits import DEFAULT_MAX_BODY_BYTES
-from server.run import hold_limit, kv_pool_note, max_body_bytes
+from server.run import freeze_startup_objects, hold_limit, kv_pool_note, max_body_bytes
 
 
 def test_the_flag_wins_over_the_environment_which_wins_over_the_default():
@@ -60,3 +63,24 @@ def test_the_startup_line_says_whether_the_pool_is_held_whole():
     assert kv_pool_note(180 * mib, 180 * mib) == ", KV pool 180 MiB held"
     assert kv_pool_note(4096 * mib, 1984 * mib) == (", KV pool 1984 of 4096 MiB held (a quarter of the memory "
                                                     "available), the rest grown as requests need it")
+
+
+class Node:
+    def __init__(self):
+        self.other = None
+
+
+def test_the_startup_objects_are_frozen_out_of_the_collectors_walks_and_later_ones_are_not():
+    startup = Node()
+    startup.other = startup  # a cycle built before the freeze, as a model's modules are
+    try:
+        freeze_startup_objects()
+        assert gc.get_freeze_count() > 0
+        assert not any(o is startup for o in gc.get_objects())  # a full collection no longer walks it
+        later = Node()
+        later.other = later
+        assert any(o is later for o in gc.get_objects())
+        del later
+        assert gc.collect() >= 1  # what requests create is still collected
+    finally:
+        gc.unfreeze()  # (this test process goes on)
