@@ -175,8 +175,8 @@ class LoopHandoff:
     thread waits, at most `timeout_s`, until the loop has run the callbacks that carry them and the streams they
     woke (each writes its chunk to its socket), and only then starts the next step. Without it the loop thread,
     woken while the step's threads held every core of a 2-core machine, waited for a core: a token went out up
-    to a step late (serve on the model-167 Xeon, 4 clients, five A/B runs: p99 gap 10.3-10.8 ms without, 7.2-9.3
-    with; one client's p99 7.1-8.3 -> 6.3-6.9; tokens/s the same at 1, 4 and 16 clients)."""
+    to a step late (serve on the model-167 Xeon, five A/B runs against the server without it: p99 gap at 4 clients
+    10.1-11.1 -> 7.7-10.3 ms, one client's 7.4-8.3 -> 6.4-6.8; tokens/s 2% lower at 4 clients, the same at 1 and 16)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float = HANDOFF_TIMEOUT_S):
         self.loop, self.timeout_s = loop, timeout_s

@@ -74,4 +74,3 @@ def test_a_closed_loop_is_not_waited_for():
     loop = asyncio.new_event_loop()
     loop.close()
     LoopHandoff(loop, timeout_s=3600.0)()  # returns at once (the server is stopping)
-
