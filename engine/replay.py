@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from engine.chat import Conversation, prompt_ids
 from engine.config import BLOCK_SIZES, CACHE_STRATEGIES, WEIGHT_FORMATS, ConfigError
 from engine.events import StepEvent
+from engine.sampler import greedy_token
 
 REPLAY_SEQ_ID = -7  # the replay's sequence in its own cache (never a conversation's id, which are positive)
 
@@ -169,7 +170,7 @@ def engine_prefill_chunk() -> int:
 def _timed_greedy_step(engine, tokens: list[int]) -> tuple[int, float]:
     start = time.perf_counter()
     logits = engine.step([REPLAY_SEQ_ID], [tokens])[0]  # [V]: the last position's
-    greedy = int(logits.argmax())
+    greedy = greedy_token(logits)
     engine.synchronize()
     return greedy, (time.perf_counter() - start) * 1000
 

@@ -27,7 +27,7 @@ import torch
 
 from engine.config import ConfigError, SpeculativeConfig
 from engine.kv.base import KVCacheFull
-from engine.sampler import Sampler, apply_repetition_penalty, draw
+from engine.sampler import Sampler, apply_repetition_penalty, draw, greedy_token
 
 
 # ---- drafters -----------------------------------------------------------------------------------------------
@@ -107,7 +107,7 @@ class DraftModelDrafter(Drafter):
     def _pick(self, logits: torch.Tensor, history: list[int]) -> tuple[int, torch.Tensor | None]:
         params = self.sampler.params
         if params.greedy:
-            return int(apply_repetition_penalty(logits, history, params.repetition_penalty).argmax()), None
+            return greedy_token(apply_repetition_penalty(logits, history, params.repetition_penalty)), None
         q = target_probs(self.sampler, logits, history)
         return draw(q, self.generator), q
 
@@ -139,7 +139,7 @@ def judge(sampler: Sampler, logits: torch.Tensor, history: list[int], draft: int
     logits: [V] for the position the draft would fill; draft_probs: [V], the drafter's q (None: a point mass)."""
     p = sampler.params
     if p.greedy:
-        token = int(apply_repetition_penalty(logits, history, p.repetition_penalty).argmax())
+        token = greedy_token(apply_repetition_penalty(logits, history, p.repetition_penalty))
         return None if token == draft else token
     target = target_probs(sampler, logits, history)  # [V]
     q = draft_probs.float().cpu() if draft_probs is not None else None

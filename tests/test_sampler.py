@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.config import ConfigError, SamplingParams
-from engine.sampler import Sampler, SeenTokens, apply_repetition_penalty, draw
+from engine.sampler import Sampler, SeenTokens, apply_repetition_penalty, draw, greedy_token
 
 CPU = torch.device("cpu")
 PROBS = [0.5, 0.3, 0.15, 0.05]  # tokens 0..3, already sorted by probability
@@ -35,6 +35,18 @@ def test_greedy_picks_the_largest_logit_whatever_the_seed():
     logits = random_logits()
     for seed in (None, 0, 1):
         assert draws(sample(temperature=0, seed=seed), logits, 3) == [int(logits.argmax())] * 3
+
+
+def test_the_greedy_token_is_argmaxs_the_first_of_equal_largest_and_a_nan_first_of_all():
+    for seed in range(20):
+        logits = random_logits(seed, vocab=49_152)
+        assert greedy_token(logits) == int(logits.argmax())
+        top = int(logits.argmax())
+        logits[top + 7:top + 9] = logits[top]  # ties after the first largest
+        logits[3] = logits[top] if seed % 2 else logits[3]  # and one before it, every other time
+        assert greedy_token(logits) == int(logits.argmax()) == (min(3, top) if seed % 2 else top)
+        logits[11] = float("nan")
+        assert greedy_token(logits) == int(logits.argmax()) == 11
 
 
 def test_seeded_sampling_is_reproducible():
