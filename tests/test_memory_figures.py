@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kv.base import BLOCK_OWN
+from engine.kv.base import BLOCK_CACHED, BLOCK_FREE, BLOCK_OTHER, BLOCK_OWN
 from engine.kv.precision import CONTIGUOUS_GROUP, QUANTIZED, bytes_per_token
 from tests.engine_helpers import greedy, held_storage_bytes, one_torch_thread, run_turn
 
@@ -134,6 +134,19 @@ def test_block_counts_and_states_add_up(tiny_engine_factory):
     assert len(stats.block_states) == stats.num_blocks
     assert stats.block_states.count(BLOCK_OWN) == 3  # sequence 3 holds 37 tokens in three blocks
     assert stats.tokens == 37
+
+
+def test_a_sequences_map_shows_its_blocks_as_its_own_the_others_in_use_as_others_and_the_rest_free_or_cached(
+        tiny_engine_factory):
+    engine = tiny_engine_factory("paged", BS, max_context=256)
+    hold(engine, LENGTHS)
+    engine.cache.release(2)  # its full blocks stay in the prefix cache
+    pool, own = engine.cache.pool, set(engine.cache.seqs[3].blocks)
+    expected = [BLOCK_OWN if b in own else BLOCK_OTHER if pool._state_of(b) == BLOCK_OWN else pool._state_of(b)
+                for b in range(pool.num_blocks)]
+    states = engine.cache.stats(3).block_states
+    assert list(states) == expected
+    assert {BLOCK_OWN, BLOCK_OTHER, BLOCK_CACHED, BLOCK_FREE} <= set(states)
 
 
 def test_paged_int8_counts_its_scales_and_is_smaller_than_paged(tiny_engine_factory, tiny_config):

@@ -200,8 +200,10 @@ class BlockPool:
         return self._refcounts[block] == 0 and self._hash_of[block] is not None
 
     def states(self) -> list[int]:
-        """Per physical block: BLOCK_FREE (0), BLOCK_OWN (1, used) or BLOCK_CACHED (3)."""
-        return [self._state_of(block) for block in range(self.num_blocks)]
+        """Per physical block: BLOCK_FREE (0), BLOCK_OWN (1, used) or BLOCK_CACHED (3). (_state_of's rule over the
+        two lists at once: a published step's stats read every block, 0.2 ms for 2,048 blocks a call at a time.)"""
+        return [BLOCK_OWN if refs else BLOCK_FREE if block_hash is None else BLOCK_CACHED
+                for refs, block_hash in zip(self._refcounts, self._hash_of)]
 
     def check_invariants(self) -> None:
         free = set(self._free)

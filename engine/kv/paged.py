@@ -41,6 +41,9 @@ from engine.kv.base import (
 from engine.kv.block_pool import BlockPool
 from engine.kv.chunks import FIRST_CHUNK_TOKENS, MAX_CHUNK_TOKENS, ChunkLayout, Piece
 
+# the pool's per-block states (bytes) as a sequence's map shows them: a block in use is another sequence's
+USED_AS_OTHER = bytes(BLOCK_OTHER if s not in (BLOCK_FREE, BLOCK_CACHED) else s for s in range(256))
+
 
 @dataclass
 class Sequence:
@@ -507,7 +510,7 @@ class PagedCache(KVCache):
         return int(sum(self.sliding_formula_bytes(len(s.tokens)) for s in self.seqs.values()))
 
     def block_states(self, seq_id: int | None) -> bytes:
-        states = [BLOCK_OTHER if s not in (BLOCK_FREE, BLOCK_CACHED) else s for s in self.pool.states()]
+        states = bytearray(bytes(self.pool.states()).translate(USED_AS_OTHER))
         own = self.seqs.get(seq_id)
         for b in own.blocks if own else ():
             states[b] = BLOCK_OWN
