@@ -142,8 +142,8 @@ def test_a_sequences_map_shows_its_blocks_as_its_own_the_others_in_use_as_others
     hold(engine, LENGTHS)
     engine.cache.release(2)  # its full blocks stay in the prefix cache
     pool, own = engine.cache.pool, set(engine.cache.seqs[3].blocks)
-    expected = [BLOCK_OWN if b in own else BLOCK_OTHER if pool._state_of(b) == BLOCK_OWN else pool._state_of(b)
-                for b in range(pool.num_blocks)]
+    expected = [BLOCK_OWN if b in own else BLOCK_OTHER if pool.refcount(b) else BLOCK_CACHED if pool.is_cached(b)
+                else BLOCK_FREE for b in range(pool.num_blocks)]
     states = engine.cache.stats(3).block_states
     assert list(states) == expected
     assert {BLOCK_OWN, BLOCK_OTHER, BLOCK_CACHED, BLOCK_FREE} <= set(states)
