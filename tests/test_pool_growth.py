@@ -328,6 +328,22 @@ def test_a_reserved_pool_decodes_the_bits_a_growing_pool_decodes(tiny_engine_fac
 
 
 @pytest.mark.parametrize("strategy", PAGED)
+def test_reserving_a_pool_that_holds_sequences_keeps_what_they_hold(tiny_engine_factory, strategy):
+    grown, reserved = (tiny_engine_factory(strategy, BS, max_context=1024) for _ in range(2))
+    for engine in (grown, reserved):
+        feed(engine, 1, distinct(1, 100))
+        feed(engine, 2, distinct(2, 2 * BS))
+        engine.cache.release(2)  # its full blocks stay cached, their keys and values with them
+    reserved.reserve_kv_pool()
+    assert reserved.cache.layout.next_chunk_blocks() == 0
+    for token in distinct(3, 10):
+        assert torch.equal(feed(grown, 1, [token]), feed(reserved, 1, [token]))
+    for engine in (grown, reserved):
+        assert engine.cache.prepare(4, distinct(2, 2 * BS) + [7]) == 2 * BS  # the cached blocks found again
+    assert torch.equal(feed(grown, 4, [7]), feed(reserved, 4, [7]))
+
+
+@pytest.mark.parametrize("strategy", PAGED)
 def test_a_pool_reserved_up_to_a_limit_holds_the_chunks_that_fit_and_grows_past_them_as_before(tiny_engine_factory,
                                                                                                  strategy):
     engine = tiny_engine_factory(strategy, BS, max_context=1024)

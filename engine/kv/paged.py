@@ -253,12 +253,14 @@ class PagedCache(KVCache):
         while it served wrote each new chunk's pages beside the decode steps, gave chunks back between requests and
         faulted them in again (4 streams in process on the model-167 Xeon: inter-token p99 11.7-13.2 ms and 27-32
         steps of 920 at over 1.7x the median, against 7.1-7.3 ms and 0-1 with the pool held; 16 streams 24.4 / 89 ms
-        p99 / largest gap against 19.9 / 22.9). -> the bytes held."""
-        per_block = self.bytes_per_block()
+        p99 / largest gap against 19.9 / 22.9). A pool already holding blocks keeps their keys and values (only the
+        chunks grown here are written then). -> the bytes held."""
+        per_block, before = self.bytes_per_block(), len(self.chunks)
         while (blocks := self.layout.next_chunk_blocks()) and (
                 max_bytes is None or self.bytes_allocated() + blocks * per_block <= max_bytes):
             self._grow()
-        for chunk in self.chunks:
+        empty = self.pool.num_free == self.pool.num_blocks  # no block in use or cached: no keys and values to keep
+        for chunk in self.chunks if empty else self.chunks[before:]:
             for t in chunk:
                 t.zero_()  # (zeros already: every page written now, not in a decode step)
         self.held_chunks = len(self.chunks)
