@@ -27,7 +27,7 @@ import torch
 
 from engine.config import ConfigError, SpeculativeConfig
 from engine.kv.base import KVCacheFull
-from engine.sampler import Sampler, apply_repetition_penalty, draw, greedy_token
+from engine.sampler import Sampler, draw, penalized_greedy, penalty_ids
 
 
 # ---- drafters -----------------------------------------------------------------------------------------------
@@ -107,7 +107,7 @@ class DraftModelDrafter(Drafter):
     def _pick(self, logits: torch.Tensor, history: list[int]) -> tuple[int, torch.Tensor | None]:
         params = self.sampler.params
         if params.greedy:
-            return greedy_token(apply_repetition_penalty(logits, history, params.repetition_penalty)), None
+            return penalized_greedy(logits, penalty_ids(params, history), params.repetition_penalty), None
         q = target_probs(self.sampler, logits, history)
         return draw(q, self.generator), q
 
@@ -127,9 +127,7 @@ def make_drafter(config: SpeculativeConfig, engine, seq_id: int) -> Drafter:
 # ---- acceptance -----------------------------------------------------------------------------------------------
 def target_probs(sampler: Sampler, logits: torch.Tensor, history: list[int]) -> torch.Tensor:
     """The distribution plain sampling draws from after `history`: [V] float32 on the CPU."""
-    p = sampler.params
-    penalized = apply_repetition_penalty(logits, history, p.repetition_penalty)
-    return sampler.distribution(penalized.float().cpu() / p.temperature)  # the very same top-k / top-p code
+    return sampler.distribution(logits, penalty_ids(sampler.params, history))  # the very same sampling code
 
 
 def judge(sampler: Sampler, logits: torch.Tensor, history: list[int], draft: int,
@@ -139,7 +137,7 @@ def judge(sampler: Sampler, logits: torch.Tensor, history: list[int], draft: int
     logits: [V] for the position the draft would fill; draft_probs: [V], the drafter's q (None: a point mass)."""
     p = sampler.params
     if p.greedy:
-        token = greedy_token(apply_repetition_penalty(logits, history, p.repetition_penalty))
+        token = penalized_greedy(logits, penalty_ids(p, history), p.repetition_penalty)
         return None if token == draft else token
     target = target_probs(sampler, logits, history)  # [V]
     q = draft_probs.float().cpu() if draft_probs is not None else None

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
 import torch
 
+from engine import kernels
 from engine.config import ConfigError, SamplingParams
-from engine.sampler import Sampler, SeenTokens, apply_repetition_penalty, draw, greedy_token
+from engine.sampler import (
+    Sampler,
+    SeenTokens,
+    apply_repetition_penalty,
+    draw,
+    greedy_token,
+    penalized_greedy,
+    top_candidates,
+)
 
 CPU = torch.device("cpu")
 PROBS = [0.5, 0.3, 0.15, 0.05]  # tokens 0..3, already sorted by probability
@@ -171,3 +181,75 @@ def test_a_draw_follows_the_probabilities_and_never_picks_a_zero():
         counts[draw(probs, gen)] += 1
     assert counts[[0, 2, 5]].sum() == 0
     assert (counts / 6000 - probs).abs().max() < 0.02
+
+
+def awkward_logits(seed: int, vocab: int = 49152) -> torch.Tensor:
+    """Real-sized logits with what a quantized head gives: many exact ties (values on a coarse grid), -inf."""
+    x = torch.round(random_logits(seed, vocab) * 4) / 4
+    x[torch.randint(vocab, (50,), generator=torch.Generator().manual_seed(seed))] = float("-inf")
+    return x
+
+
+def seen_of(seed: int, vocab: int, n: int = 300) -> torch.Tensor:
+    return torch.randint(vocab, (n,), generator=torch.Generator().manual_seed(100 + seed)).unique()
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the compiled kernels do not build here")
+@pytest.mark.parametrize("k", [1, 2, 40, 1000])
+@pytest.mark.parametrize("penalty", [1.0, 1.1, 0.8])
+def test_the_compiled_top_k_gives_torchs_candidates_bit_for_bit(k, penalty):
+    """The kernel's one pass (penalty, top-k, ties with the k-th kept, largest first, equal ones by id) against the
+    same rule in torch's ops, on logits full of ties."""
+    for seed in range(3):
+        logits, seen = awkward_logits(seed), seen_of(seed, 49152)
+        values, ids = top_candidates(logits, seen, penalty, k)
+        with kernels.pure_pytorch():
+            want_values, want_ids = top_candidates(logits, seen, penalty, k)
+        assert torch.equal(ids, want_ids) and torch.equal(values, want_values)
+        assert len(ids) >= k and torch.all(values[:-1] >= values[1:])
+        penalized = apply_repetition_penalty(logits, sorted(seen.tolist()), penalty)
+        assert torch.equal(values, penalized[ids])
+        assert int((penalized >= values[-1]).sum()) == len(ids)  # every tie with the k-th, nothing below it
+
+
+@pytest.mark.parametrize("torch_only", [False, True])
+def test_equal_candidates_come_by_id_and_nans_come_alone(torch_only):
+    logits = torch.tensor([1.0, 3.0, 2.0, 3.0, 2.0, 0.0])
+    with kernels.pure_pytorch() if torch_only else contextlib.nullcontext():
+        assert top_candidates(logits, None, 1.0, 2)[1].tolist() == [1, 3]
+        assert top_candidates(logits, None, 1.0, 3)[1].tolist() == [1, 3, 2, 4]
+        assert top_candidates(logits, torch.tensor([1]), 1.5, 1)[1].tolist() == [3]  # 3.0 / 1.5 = 2.0
+        logits[[4, 2]] = float("nan")
+        assert top_candidates(logits, None, 1.0, 3)[1].tolist() == [2, 4]
+
+
+def test_the_penalized_greedy_token_is_the_greedy_token_of_the_penalized_logits():
+    for seed in range(4):
+        logits = awkward_logits(seed, vocab=5000)
+        history = seen_of(seed, 5000, 200).tolist()
+        for penalty in (1.0, 1.3, 0.7):
+            want = greedy_token(apply_repetition_penalty(logits, history, penalty))
+            assert penalized_greedy(logits, torch.tensor(history), penalty) == want
+    logits = torch.tensor([0.0, float("nan"), 5.0, float("nan")])
+    assert penalized_greedy(logits, torch.tensor([2]), 2.0) == 1
+
+
+def test_a_seeded_reply_draws_the_same_tokens_with_the_compiled_kernels_and_without():
+    """The app's default sampling (top-k 40, top-p 0.95, penalty 1.1) over a growing history: the same tokens."""
+    params = SamplingParams(seed=7)
+
+    def reply(n: int = 60) -> list[int]:
+        sampler, history = Sampler(params, CPU), [5, 9, 9, 300]
+        for i in range(n):
+            history.append(sampler(awkward_logits(i, vocab=8000) * 0.5, history))
+        return history
+
+    with kernels.pure_pytorch():
+        want = reply()
+    assert reply() == want
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the compiled kernels do not build here")
+def test_a_seen_id_outside_the_vocabulary_is_refused_by_name():
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        top_candidates(torch.zeros(10), torch.tensor([3, 10]), 1.2, 2)
