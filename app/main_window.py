@@ -436,6 +436,7 @@ class MainWindow(QMainWindow):
         self.status.showMessage(trim_message(trim, self.snapshot, self.chat.message_texts()), 12000)
 
     def _refresh_live(self) -> None:
+        self.status.show_live()
         event, self._last_step = self._last_step, None
         if event is not None and not self.backends.remote:  # remote: the server's /metrics feed these instead
             self.block_map.set_stats(event.kv)
