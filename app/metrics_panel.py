@@ -33,7 +33,7 @@ PARTS = ("plots", "figures")
 PLOTS = ("latency", "memory")
 LATENCY_ITEMS = ("decode", "prefill", "verify")
 STYLE_GREY = "#8b93a1"
-RIGHT_MARGIN = 14  # pixels between a plot's last point and the panel's edge
+RIGHT_MARGIN = 14  # pixels between a plot's right end and the panel's edge
 # where the weights' label may sit on its line: (position along the line, anchors) - below, then above it
 WEIGHTS_ROOM = 2.2  # the view reaches this factor above the weights' line: room for its label above it
 LABEL_PLACES = tuple((position, anchors) for position in (0.02, 0.35, 0.65)

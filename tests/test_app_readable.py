@@ -31,7 +31,7 @@ from app.backends.dialog import BackendChoice, BackendDialog
 from app.chat_view import SAMPLE_TEXT
 from app.dialogs import DraftTokensDialog, KVBudgetDialog, SamplingDialog, SystemPromptDialog, about_html
 from app.metrics_panel import MetricsPanel
-from app.plots import MIN_PLOT_HEIGHT, TokenAxis, log_headroom
+from app.plots import MIN_PLOT_HEIGHT, TokenAxis, log_headroom, token_headroom
 from app.style import PLOT_BACKGROUND, PLOT_FOREGROUND, STRATEGY_COLORS, apply_theme
 from engine.config import SamplingParams
 
@@ -327,6 +327,32 @@ def test_log_headroom_ends_on_ticks_beyond_the_data(low, high):
     for end in (bottom, top):
         mantissa = end / 10 ** math.floor(math.log10(end) + 1e-9)
         assert round(mantissa, 6) in (1.0, 2.0, 5.0)
+
+
+@pytest.mark.parametrize("last", [0.0, 3.0, 9.0, 45.0, 100.0, 399.0, 400.0, 2047.0, 30000.0])
+def test_the_x_axis_ends_on_a_1_2_5_step_beyond_the_last_position(last):
+    end = token_headroom(last)
+    step = max(last, 5.0) / 5
+
+    assert end > last and end <= last + 2 * step + 1e-9  # beyond the data, by at most about two fifths of it
+    assert float(end).is_integer()  # a whole token, on the axis' ticks
+
+
+def test_the_x_axis_moves_once_a_step_not_with_every_token():
+    ends = [token_headroom(float(p)) for p in range(100, 1100)]
+
+    assert all(end > p for end, p in zip(ends, range(100, 1100)))
+    assert len(set(ends)) <= 12  # 1,000 tokens, ~10 ends, where autorange moved at each of them
+
+
+def test_the_plots_end_where_token_headroom_says(qtbot, panel):
+    play(panel, turn(0, 45, 250))
+    settle(qtbot)
+
+    last = max(np.nanmax(item.xData) for item in panel.latency_plot.getPlotItem().listDataItems()
+               if item.xData is not None and len(item.xData))
+    low, high = panel.latency_plot.getViewBox().viewRange()[0]
+    assert last < token_headroom(last) <= high <= token_headroom(last) * 1.1  # the end, and the view's padding
 
 
 @pytest.mark.parametrize("low, high", [(0.0, 1.0), (-0.2, 1.2), (0.0, 5.0), (30.0, 33.0), (0.0, 4000.0)])
