@@ -289,6 +289,26 @@ def test_both_plots_show_the_same_positions_in_the_same_pixel_columns(qtbot, pan
         assert abs(a.x() - b.x()) <= 1
 
 
+def test_the_two_linked_plots_redraw_in_the_same_tick(panel):
+    """Their x axes are linked: a new range for one repaints both, so the timer draws them together, never one a tick
+    behind the other."""
+    play(panel, turn(0, 45, 20))
+    panel.begin_turn()
+    for event in turn(65, 10, 30)[1:]:
+        panel.add_step(event)
+
+    def last(plot):
+        return max(np.nanmax(item.xData) for item in plot.getPlotItem().listDataItems()
+                   if item.xData is not None and len(item.xData))
+
+    before = last(panel.latency_plot), last(panel.memory_plot)
+    for _ in range(4):  # the timer's ticks: each draws one part of the panel
+        panel._timer.timeout.emit()
+        now = last(panel.latency_plot), last(panel.memory_plot)
+        assert now[0] == now[1]
+    assert now[0] > before[0]
+
+
 def test_the_highest_line_has_headroom_and_a_labelled_tick_above_it(qtbot, panel):
     play(panel, turn(0, 45, 250, strategy="contiguous"), turn(0, 45, 250))
     settle(qtbot)
