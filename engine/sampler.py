@@ -26,7 +26,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, history: list[int]) -> int:
         """logits: [V] float32 -> the next token id."""
-        seen = self.seen.of(history, logits) if penalized(self.params, history) else None
+        seen = self.seen_ids(history, logits)
         if self.params.greedy:
             return penalized_greedy(logits, seen, self.params.repetition_penalty)
         if self.top_k_filters(logits):
@@ -34,6 +34,11 @@ class Sampler:
             return ids[draw_listed(probs, self.generator)]
         ids, probs = self.candidates(logits, seen)
         return int(ids[draw(probs, self.generator)])
+
+    def seen_ids(self, history: list[int], logits: torch.Tensor) -> torch.Tensor | None:
+        """The ids the repetition penalty applies to after `history` (None where it changes nothing), kept up to
+        date across the calls of a growing history (speculative decoding's judged rows extend it too)."""
+        return self.seen.of(history, logits) if penalized(self.params, history) else None
 
     def top_k_filters(self, logits: torch.Tensor) -> bool:
         return 0 < self.params.top_k < logits.numel()
@@ -164,11 +169,6 @@ def penalized(params: SamplingParams, history: list[int]) -> bool:
 def seen_ids(history: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
     """The distinct ids of a history: int64 [n]."""
     return torch.tensor(sorted(set(history)), dtype=torch.int64, device=device)
-
-
-def penalty_ids(params: SamplingParams, history: list[int]) -> torch.Tensor | None:
-    """The ids the repetition penalty applies to after `history` (None where it changes nothing)."""
-    return seen_ids(history) if penalized(params, history) else None
 
 
 def penalize(logits: torch.Tensor, seen: torch.Tensor | None, penalty: float) -> torch.Tensor:

@@ -27,7 +27,7 @@ import torch
 
 from engine.config import ConfigError, SpeculativeConfig
 from engine.kv.base import KVCacheFull
-from engine.sampler import Sampler, draw, penalized_greedy, penalty_ids
+from engine.sampler import Sampler, draw, draw_listed, penalized_greedy
 
 
 # ---- drafters -----------------------------------------------------------------------------------------------
@@ -107,7 +107,7 @@ class DraftModelDrafter(Drafter):
     def _pick(self, logits: torch.Tensor, history: list[int]) -> tuple[int, torch.Tensor | None]:
         params = self.sampler.params
         if params.greedy:
-            return penalized_greedy(logits, penalty_ids(params, history), params.repetition_penalty), None
+            return penalized_greedy(logits, self.sampler.seen_ids(history, logits), params.repetition_penalty), None
         q = target_probs(self.sampler, logits, history)
         return draw(q, self.generator), q
 
@@ -127,7 +127,7 @@ def make_drafter(config: SpeculativeConfig, engine, seq_id: int) -> Drafter:
 # ---- acceptance -----------------------------------------------------------------------------------------------
 def target_probs(sampler: Sampler, logits: torch.Tensor, history: list[int]) -> torch.Tensor:
     """The distribution plain sampling draws from after `history`: [V] float32 on the CPU."""
-    return sampler.distribution(logits, penalty_ids(sampler.params, history))  # the very same sampling code
+    return sampler.distribution(logits, sampler.seen_ids(history, logits))  # the very same sampling code
 
 
 def judge(sampler: Sampler, logits: torch.Tensor, history: list[int], draft: int,
@@ -137,8 +137,10 @@ def judge(sampler: Sampler, logits: torch.Tensor, history: list[int], draft: int
     logits: [V] for the position the draft would fill; draft_probs: [V], the drafter's q (None: a point mass)."""
     p = sampler.params
     if p.greedy:
-        token = penalized_greedy(logits, penalty_ids(p, history), p.repetition_penalty)
+        token = penalized_greedy(logits, sampler.seen_ids(history, logits), p.repetition_penalty)
         return None if token == draft else token
+    if sampler.top_k_filters(logits):
+        return judge_listed(sampler, logits, history, draft, draft_probs)
     target = target_probs(sampler, logits, history)  # [V]
     q = draft_probs.float().cpu() if draft_probs is not None else None
     q_draft = float(q[draft]) if q is not None else 1.0
@@ -153,6 +155,23 @@ def judge(sampler: Sampler, logits: torch.Tensor, history: list[int], draft: int
         residual = target
     return draw(residual, sampler.generator)  # draw() normalizes by the sum
 
+
+
+def judge_listed(sampler: Sampler, logits: torch.Tensor, history: list[int], draft: int,
+                 draft_probs: torch.Tensor | None) -> int | None:
+    """judge() where top-k filters, over the few tokens plain sampling keeps (Sampler.top_k_choices): the target is
+    zero elsewhere, and so is the residual max(p - q, 0). The same rule as the [V] tensors, the same two uniform
+    numbers; a judged row took ~0.74 ms in the app with them (torch ops over the vocabulary, cold after a step)."""
+    ids, probs = sampler.top_k_choices(logits, sampler.seen_ids(history, logits))
+    q = [float(i == draft) for i in ids] if draft_probs is None else draft_probs[torch.tensor(ids)].tolist()
+    q_draft = float(draft_probs[draft]) if draft_probs is not None else 1.0
+    p_draft = probs[ids.index(draft)] if draft in ids else 0.0
+    if float(torch.rand((), generator=sampler.generator)) * q_draft < p_draft:
+        return None
+    residual = [max(pi - qi, 0.0) for pi, qi in zip(probs, q)]
+    if sum(residual) <= 0.0:  # p <= q everywhere: only possible when p == q, so any draw from p is right
+        residual = probs
+    return ids[draw_listed(residual, sampler.generator)]
 
 # ---- when speculation pays ------------------------------------------------------------------------------------
 @dataclass

@@ -214,15 +214,17 @@ def draw_first_token(sampler, logits, draft, q=None) -> int:
 
 
 SAMPLING = SamplingParams(temperature=0.9, top_k=6, top_p=0.97, repetition_penalty=1.3, seed=7)
+NUCLEUS_ONLY = SamplingParams(temperature=0.9, top_k=0, top_p=0.9, repetition_penalty=1.3, seed=7)
 
 
-def test_the_acceptance_rule_reproduces_the_target_distribution_for_point_mass_and_model_drafts():
+@pytest.mark.parametrize("params", [SAMPLING, NUCLEUS_ONLY], ids=["top-k: the kept tokens' lists", "top-p alone: [V]"])
+def test_the_acceptance_rule_reproduces_the_target_distribution_for_point_mass_and_model_drafts(params):
     logits = torch.tensor([2.0, 1.5, 1.2, 0.3, -0.5, -1.0, -3.0, 0.9])  # [V]
-    target = target_probs(Sampler(SAMPLING, torch.device("cpu")), logits, [])
+    target = target_probs(Sampler(params, torch.device("cpu")), logits, [])
     q = torch.softmax(torch.tensor([0.1, 2.5, 0.2, 1.0, 0.0, 0.0, 0.0, 0.4]), 0)  # a draft model that disagrees
     n = 20000
     for mode in ("point mass on the second token", "a draft model's distribution"):
-        sampler = Sampler(SAMPLING, torch.device("cpu"))
+        sampler = Sampler(params, torch.device("cpu"))
         gen = torch.Generator().manual_seed(3)
         counts = torch.zeros(8)
         for _ in range(n):
