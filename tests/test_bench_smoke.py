@@ -13,11 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.bench import roofline, step, targets
+from engine.bench import memory, roofline, step, targets
 from engine.bench.common import load_context
 from engine.bench.suite import BENCHMARKS, run_bench
 from engine.bench.workload import WorkloadShape, describe, make_workload
-from engine.config import ModelConfig
+from engine.config import EngineConfig, ModelConfig
+from engine.engine import Engine
 from engine.model import LlamaModel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,6 +43,23 @@ def test_the_tiny_bench_runs_every_benchmark_of_the_suite_without_an_error(tiny_
     for name in ("results.json", "summary.md", *(f"{name}.png" for name in BENCHMARKS)):
         assert (out / name).stat().st_size > 0, name
     assert results["tiny"] and results["quick"] and results["machine"]["model"] == "tiny-random"
+
+
+@pytest.mark.parametrize("kv", ["float16", "bfloat16", "float32"])
+def test_the_memory_benchmark_takes_the_bytes_of_the_precision_the_cache_stores(tokenizer, kv):
+    """float32 activations over a 16-bit cache (what `auto` picks with the kernels): the formula counts the bytes the
+    cache holds an element, so measured = formula (it had taken the activations' 4 B: 'measured / formula 0.5')."""
+    config = ModelConfig(vocab_size=len(tokenizer), **memory.SMALL)
+    model = LlamaModel.random(config, seed=0, std=0.05)
+    config_ = EngineConfig(cache="paged", dtype="float32", kv_dtype=kv, pool_tokens=64)
+    engine = Engine(model, tokenizer, config_, "small")
+
+    for strategy in ("contiguous", "paged"):
+        row = memory.measure(engine, strategy, memory.TOKENS)
+        assert row["dtype"] == kv
+        assert row["formula_per_token"] == config.kv_bytes_per_token(4 if kv == "float32" else 2)
+        assert row["measured_over_formula"] == 1.0
+    assert memory.measure(engine, "paged-int8", memory.TOKENS)["dtype"] == "int8 (float32 window)"
 
 
 def test_the_tiny_bench_writes_the_figures_the_summary_and_the_targets_read(tiny_run):

@@ -50,8 +50,9 @@ def small_engine(ctx: BenchContext):
     return make
 
 
-def element_bytes(strategy: str, dtype: torch.dtype) -> int:
-    return 1 if strategy == "paged-int8" else torch.tensor([], dtype=dtype).element_size()
+def element_bytes(strategy: str, cache) -> int:
+    """What the cache holds an element: int8's byte, or its float dtype's (the KV precision, not the activations')."""
+    return 1 if strategy == "paged-int8" else cache.bytes_per_element
 
 
 def int8_scale_bytes_per_token(c: ModelConfig, block_size: int) -> float:
@@ -71,12 +72,13 @@ def measure(engine: Engine, strategy: str, n: int, full_reservation: bool = Fals
             cache.prepare(seq, ids)
         prefill(engine, seq, ids, chunk=len(ids))
         stats = cache.stats(seq)
-    formula = engine.model_config.kv_bytes_per_token(element_bytes(strategy, engine.dtype))
+    formula = engine.model_config.kv_bytes_per_token(element_bytes(strategy, cache))
     if strategy == "paged-int8":
         formula += int8_scale_bytes_per_token(engine.model_config, 16)
     used = stats.bytes_allocated if strategy == "contiguous" else stats.bytes_used
     label = strategy + (" (full-context reservation)" if full_reservation else "")
-    dtype = f"int8 ({engine.dtype_name} window)" if strategy == "paged-int8" else engine.dtype_name
+    stored = str(cache.dtype).removeprefix("torch.")
+    dtype = f"int8 ({engine.dtype_name} window)" if strategy == "paged-int8" else stored
     return {"strategy": label, "model": engine.model_name, "dtype": dtype, "tokens": n,
             "bytes_held": used, "bytes_allocated": stats.bytes_allocated, "measured_per_token": used / n,
             "formula_per_token": 0.0 if strategy == "none" else formula,
