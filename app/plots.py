@@ -13,7 +13,7 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QColor
-from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QGraphicsItem, QLabel, QVBoxLayout, QWidget
 
 from app.style import PLOT_BACKGROUND, PLOT_FOREGROUND, strategy_color
 
@@ -119,6 +119,9 @@ def make_plot(y_label: str) -> pg.PlotWidget:
     for name in ("left", "bottom"):
         item.getAxis(name).enableAutoSIPrefix(False)
         item.getAxis(name).setTextPen(PLOT_FOREGROUND)
+        # drawn once per range, then reused: its grid lines cross the plot, so every redrawn curve redrew the
+        # axis' labels too (a 600-token reply: the axes 0.18 s of the plots' 0.36 s of painting, 0.10 s cached)
+        item.getAxis(name).setCacheMode(QGraphicsItem.CacheMode.DeviceCoordinateCache)
     item.getAxis("left").setStyle(maxTextLevel=1)  # no labels on minor ticks
     item.getAxis("left").setWidth(LEFT_AXIS_WIDTH)
     plot.setMinimumHeight(MIN_PLOT_HEIGHT)

@@ -309,6 +309,44 @@ def test_the_two_linked_plots_redraw_in_the_same_tick(panel):
     assert now[0] > before[0]
 
 
+def test_new_points_inside_the_axes_ranges_repaint_the_curves_but_no_axis(qtbot, monkeypatch):
+    """An axis (its ticks, labels and grid lines across the plot) is drawn once per range and then reused: its
+    grid overlaps every curve, so without that every redraw of a curve redrew the axes' text too (about half of a
+    plot's paint time while a reply streams)."""
+    import pyqtgraph as pg
+
+    painted = {"axes": 0, "curves": 0}
+
+    def counting(cls, key):  # before the panel is built: Qt's calls into Python paint() are bound then
+        original = cls.paint
+
+        def paint(self, *args):
+            painted[key] += 1
+            return original(self, *args)
+
+        monkeypatch.setattr(cls, "paint", paint)
+
+    counting(pg.AxisItem, "axes")
+    counting(pg.PlotCurveItem, "curves")
+    panel = MetricsPanel()
+    qtbot.addWidget(panel)
+    panel.set_model_info(SMOL)
+    play(panel, turn(0, 45, 20))
+    panel.resize(700, 700)
+    settle(qtbot)
+    panel.plots.grab()
+    assert painted["axes"] > 0  # drawn once
+    ranges = [plot.getViewBox().viewRange() for plot in (panel.latency_plot, panel.memory_plot)]
+    painted.update(axes=0, curves=0)
+    for event in turn(0, 45, 24)[21:]:  # three more tokens: within both plots' x and y ranges
+        panel.add_step(event)
+    panel.refresh()
+    panel.plots.grab()
+
+    assert [plot.getViewBox().viewRange() for plot in (panel.latency_plot, panel.memory_plot)] == ranges
+    assert painted["curves"] > 0 and painted["axes"] == 0
+
+
 def test_the_highest_line_has_headroom_and_a_labelled_tick_above_it(qtbot, panel):
     play(panel, turn(0, 45, 250, strategy="contiguous"), turn(0, 45, 250))
     settle(qtbot)

@@ -51,8 +51,8 @@ def test_the_memory_benchmark_takes_the_bytes_of_the_precision_the_cache_stores(
     cache holds an element, so measured = formula (it had taken the activations' 4 B: 'measured / formula 0.5')."""
     config = ModelConfig(vocab_size=len(tokenizer), **memory.SMALL)
     model = LlamaModel.random(config, seed=0, std=0.05)
-    config_ = EngineConfig(cache="paged", dtype="float32", kv_dtype=kv, pool_tokens=64)
-    engine = Engine(model, tokenizer, config_, "small")
+    engine_config = EngineConfig(cache="paged", dtype="float32", kv_dtype=kv, pool_tokens=64)
+    engine = Engine(model, tokenizer, engine_config, "small")
 
     for strategy in ("contiguous", "paged"):
         row = memory.measure(engine, strategy, memory.TOKENS)
