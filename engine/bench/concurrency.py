@@ -68,6 +68,7 @@ def run(ctx: BenchContext, quick: bool) -> dict:
         "shape": shape.__dict__, "num_requests": NUM_REQUESTS, "seed": SEED,
         "workload": describe(requests), "admitted_workload": describe(requests[:admitted]),
         "budget_bytes": budget, "budget_tokens_at_model_dtype": int(budget / per_token),
+        "kv_dtype": e.cache.precision, "budget_tokens_at_kv_dtype": int(budget / e.cache.store_bytes_per_token()),
         "configs": results,
         "paged16_over_contiguous_full": ratio(by_name["paged bs=16"]["admitted"],
                                               by_name["contiguous (full context)"]["admitted"]),
@@ -224,10 +225,12 @@ def summarize(r: dict) -> str:
     b_table = report.md_table(["admitted set", "sequences", "grouping", "forwards / step", "padding waste",
                                "step (ms)", "tokens/s"], b_rows)
     w, s = r["workload"], r["shape"]
+    kv_tokens = f", {r['budget_tokens_at_kv_dtype']:,} in the caches' {r['kv_dtype']}" if "kv_dtype" in r else ""
     return report.section(
         "concurrency: sequences in a fixed KV budget",
         f"Budget {r['budget_bytes'] / 2**20:,.0f} MiB (= {r['budget_tokens_at_model_dtype']:,} tokens at the "
-        f"model's dtype). Workload: {r['num_requests']} seeded log-normal requests (seed {r['seed']}), a serving "
+        f"model's dtype{kv_tokens}). "
+        f"Workload: {r['num_requests']} seeded log-normal requests (seed {r['seed']}), a serving "
         f"context limit of {s['context_limit']} (what 'full context' reserves), max new tokens "
         f"{s['max_new_tokens']}; prompt mean "
         f"{w['prompt']['mean']:.0f} / median {w['prompt']['median']:.0f} / p99 {w['prompt']['p99']:.0f}, reply "

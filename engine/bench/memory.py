@@ -77,8 +77,7 @@ def measure(engine: Engine, strategy: str, n: int, full_reservation: bool = Fals
         formula += int8_scale_bytes_per_token(engine.model_config, 16)
     used = stats.bytes_allocated if strategy == "contiguous" else stats.bytes_used
     label = strategy + (" (full-context reservation)" if full_reservation else "")
-    stored = str(cache.dtype).removeprefix("torch.")
-    dtype = f"int8 ({engine.dtype_name} window)" if strategy == "paged-int8" else stored
+    dtype = f"int8 ({engine.dtype_name} window)" if strategy == "paged-int8" else cache.precision
     return {"strategy": label, "model": engine.model_name, "dtype": dtype, "tokens": n,
             "bytes_held": used, "bytes_allocated": stats.bytes_allocated, "measured_per_token": used / n,
             "formula_per_token": 0.0 if strategy == "none" else formula,
