@@ -23,7 +23,6 @@ import ctypes
 import math
 import mmap
 import warnings
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -70,20 +69,23 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
 _FAULTING: ThreadPoolExecutor | None = None  # one background thread, made on first use
 
 
-def faulted_ahead(make: Callable[[], list[torch.Tensor]]) -> Future:
-    """make() -> contiguous CPU tensors of zeros, on a background thread that then writes every page of them (zeros
-    over zeros: the values do not change), so that their page faults are taken there instead of in the first step
-    that writes them. A fresh huge page is zeroed by the kernel on its first write, and on this 2-core VM a pool
+def faulted_ahead(tensors: list[torch.Tensor]) -> Future:
+    """Write every page of `tensors` (contiguous CPU tensors of zeros, made by the caller) on a background thread
+    (zeros over zeros: the values do not change), so that their page faults are taken there instead of in the first
+    step that writes them. A fresh huge page is zeroed by the kernel on its first write, and on this 2-core VM a pool
     chunk's first write took 0.2 s (2,048 tokens of bfloat16 keys and values) to 0.9 s (8,192): a decode step that
-    long. memset runs without the GIL. -> a Future of the tensors."""
+    long. Only memset runs there, without the GIL and without torch: a torch operation on a second thread that stays
+    (a quantized pool's scales zeroed in parallel) started a second OpenMP team, and libgomp then stopped spinning
+    between parallel regions in the whole process (more threads than cores): llama.cpp, on the same OpenMP in
+    `bench`, took 35 ms a step at 512 tokens on two threads instead of 15 from then on. -> a Future of the tensors."""
     global _FAULTING
     if _FAULTING is None:
         _FAULTING = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvscope-fault-ahead")
+    spans = [(t.data_ptr(), t.nbytes) for t in tensors]
 
     def run() -> list[torch.Tensor]:
-        tensors = make()
-        for t in tensors:
-            ctypes.memset(t.data_ptr(), 0, t.nbytes)
+        for address, size in spans:
+            ctypes.memset(address, 0, size)
         return tensors
 
     return _FAULTING.submit(run)

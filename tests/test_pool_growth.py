@@ -5,16 +5,19 @@ server's pool is held whole from the start instead."""
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from engine import hugepages
 from engine.config import ConfigError, EngineConfig
+from engine.kv import quant
 from engine.kv.base import KVCacheFull, StepView
 from engine.kv.chunks import ChunkLayout
 from engine.kv.paged import PagedCache
-from engine.kv.paged_quant import PagedInt8Cache
+from engine.kv.paged_quant import PagedInt8Cache, PagedQuantCache
 from tests.engine_helpers import greedy, one_torch_thread, run_turn
 
 BS = 16
@@ -252,6 +255,37 @@ def test_a_chunk_on_huge_pages_is_made_ahead_and_joins_the_pool_when_it_grows(ti
     cache.pool.free(held)
     cache.give_back()
     assert cache._next_chunk is None and cache.chunks == []
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_a_chunk_made_ahead_runs_no_torch_operation_on_the_background_thread(tiny_config, monkeypatch, codec):
+    """The background thread only writes the pages: a torch operation there (a quantized pool's scales zeroed in
+    parallel) started a second OpenMP team on a thread that stays, and then libgomp stopped spinning between parallel
+    regions in the whole process (more threads than cores): llama.cpp, on the same OpenMP in `bench`, took 2.4x as
+    long a step at two threads from then on, and so would torch's own parallel operations."""
+    if not hugepages.available():
+        pytest.skip("this Linux gives no huge pages: chunks fault a small page at a time")
+    calls = []
+
+    class Recording(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            calls.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(hugepages, "_FAULTING", ThreadPoolExecutor(1, initializer=lambda: Recording().__enter__()))
+    shapes = dataclasses.replace(tiny_config, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64)
+    cache = PagedQuantCache(shapes, torch.float32, "cpu", 8192, block_size=BS, codec=quant.CODECS[codec])
+    held = []
+    while cache._next_chunk is None:
+        cache.make_room(1)
+        held += cache.pool.allocate(1)
+    blocks, made = cache._next_chunk
+    ahead = made.result()
+
+    assert calls == []
+    assert [t.shape for t in ahead] == [t.shape for t in cache._chunk_tensors(blocks, "cpu")]
+    assert all(t.count_nonzero() == 0 for t in ahead)
+    cache.pool.free(held)
 
 
 # ---- what a chat sees -----------------------------------------------------------------------------------

@@ -224,17 +224,17 @@ class PagedCache(KVCache):
 
     def _prepare_next_chunk(self, wanted: int) -> None:
         """Once the free blocks, less the `wanted` ones, are fewer than an eighth of the next chunk's, that chunk is
-        made and its pages faulted in on a background thread (hugepages.faulted_ahead): on huge pages the first
-        step that wrote into a new chunk of 2,048 tokens took 0.2 s here, of 8,192 tokens 0.9 s. Small chunks,
-        on small pages, fault a page at a time as their blocks fill: nothing to do."""
+        made here (a huge-page mapping is not touched yet) and its pages faulted in on a background thread
+        (hugepages.faulted_ahead): on huge pages the first step that wrote into a new chunk of 2,048 tokens took 0.2 s
+        here, of 8,192 tokens 0.9 s. Small chunks, on small pages, fault a page at a time as their blocks fill:
+        nothing to do."""
         blocks = self.layout.next_chunk_blocks()
         if self._next_chunk or not blocks or self.pool.num_free - wanted >= max(1, blocks // 8):
             return
         if (blocks * self.bytes_per_block() < hugepages.HUGE or torch.device(self.device).type != "cpu"
                 or not hugepages.available()):
             return
-        make = functools.partial(self._chunk_tensors, blocks, self.device)
-        self._next_chunk = (blocks, hugepages.faulted_ahead(make))
+        self._next_chunk = (blocks, hugepages.faulted_ahead(self._chunk_tensors(blocks, self.device)))
 
     def _take_next_chunk(self, blocks: int) -> list[torch.Tensor] | None:
         """The chunk made ahead, when it has that many blocks (waiting for its last pages if need be)."""
