@@ -272,7 +272,8 @@ def test_a_chunk_made_ahead_runs_no_torch_operation_on_the_background_thread(tin
             calls.append(getattr(func, "__name__", str(func)))
             return func(*args, **(kwargs or {}))
 
-    monkeypatch.setattr(hugepages, "_FAULTING", ThreadPoolExecutor(1, initializer=lambda: Recording().__enter__()))
+    background = ThreadPoolExecutor(1, initializer=lambda: Recording().__enter__())  # the mode stays on its thread
+    monkeypatch.setattr(hugepages, "_FAULTING", background)
     shapes = dataclasses.replace(tiny_config, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64)
     cache = PagedQuantCache(shapes, torch.float32, "cpu", 8192, block_size=BS, codec=quant.CODECS[codec])
     held = []
@@ -286,6 +287,7 @@ def test_a_chunk_made_ahead_runs_no_torch_operation_on_the_background_thread(tin
     assert [t.shape for t in ahead] == [t.shape for t in cache._chunk_tensors(blocks, "cpu")]
     assert all(t.count_nonzero() == 0 for t in ahead)
     cache.pool.free(held)
+    background.shutdown()
 
 
 # ---- what a chat sees -----------------------------------------------------------------------------------
