@@ -166,11 +166,6 @@ def penalized(params: SamplingParams, history: list[int]) -> bool:
     return params.repetition_penalty != 1.0 and bool(history)
 
 
-def seen_ids(history: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
-    """The distinct ids of a history: int64 [n]."""
-    return torch.tensor(sorted(set(history)), dtype=torch.int64, device=device)
-
-
 def penalize(logits: torch.Tensor, seen: torch.Tensor | None, penalty: float) -> torch.Tensor:
     """The CTRL / Hugging Face rule: the seen ids' positive logits are divided by the penalty, negative ones
     multiplied (a new tensor; logits itself where nothing changes)."""
@@ -181,16 +176,6 @@ def penalize(logits: torch.Tensor, seen: torch.Tensor | None, penalty: float) ->
     logits = logits.clone()
     logits[seen] = torch.where(picked > 0, picked / penalty, picked * penalty)
     return logits
-
-
-def apply_repetition_penalty(logits: torch.Tensor, history: list[int], penalty: float,
-                             seen: SeenTokens | None = None) -> torch.Tensor:
-    """penalize() with the ids of `history`. seen: the distinct ids kept across the calls of one growing history
-    (the same values as without it)."""
-    if penalty == 1.0 or not history:
-        return logits
-    return penalize(logits, seen.of(history, logits) if seen is not None else seen_ids(history, logits.device),
-                    penalty)
 
 
 def top_candidates(logits: torch.Tensor, seen: torch.Tensor | None, penalty: float,

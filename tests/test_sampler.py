@@ -13,15 +13,19 @@ from engine.config import ConfigError, SamplingParams
 from engine.sampler import (
     Sampler,
     SeenTokens,
-    apply_repetition_penalty,
     draw,
     greedy_token,
+    penalize,
     penalized_greedy,
     top_candidates,
 )
 
 CPU = torch.device("cpu")
 PROBS = [0.5, 0.3, 0.15, 0.05]  # tokens 0..3, already sorted by probability
+
+
+def distinct_ids(history: list[int]) -> torch.Tensor:
+    return torch.tensor(sorted(set(history)), dtype=torch.int64)
 
 
 def logits_of(probs: list[float]) -> torch.Tensor:
@@ -100,15 +104,15 @@ def test_temperature_sharpens_and_flattens():
 
 def test_repetition_penalty_lowers_seen_tokens_and_leaves_the_others():
     logits = torch.tensor([2.0, -2.0, 1.0, -1.0, 0.5])
-    penalized = apply_repetition_penalty(logits, [0, 1, 1], 2.0)
+    penalized = penalize(logits, distinct_ids([0, 1, 1]), 2.0)
     assert penalized.tolist() == [1.0, -4.0, 1.0, -1.0, 0.5]  # positive divided, negative multiplied
     assert logits.tolist() == [2.0, -2.0, 1.0, -1.0, 0.5]  # the input is not modified
 
 
 def test_no_repetition_penalty_changes_nothing():
     logits = random_logits()
-    assert torch.equal(apply_repetition_penalty(logits, [1, 2, 3], 1.0), logits)
-    assert torch.equal(apply_repetition_penalty(logits, [], 1.5), logits)
+    assert torch.equal(penalize(logits, distinct_ids([1, 2, 3]), 1.0), logits)
+    assert torch.equal(penalize(logits, distinct_ids([]), 1.5), logits)
 
 
 def test_a_penalty_kept_across_a_growing_history_gives_the_bits_of_one_computed_afresh():
@@ -123,8 +127,8 @@ def test_a_penalty_kept_across_a_growing_history_gives_the_bits_of_one_computed_
         if step == 200:
             history = [7, 8, 9]
         logits = torch.randn(1000, generator=rng)
-        assert torch.equal(apply_repetition_penalty(logits, history, 1.3, seen),
-                           apply_repetition_penalty(logits, history, 1.3))
+        kept, afresh = seen.of(history, logits), distinct_ids(history)
+        assert torch.equal(penalize(logits, kept, 1.3), penalize(logits, afresh, 1.3))
 
 
 def test_the_repetition_penalty_can_change_the_greedy_choice():
@@ -207,7 +211,7 @@ def test_the_compiled_top_k_gives_torchs_candidates_bit_for_bit(k, penalty):
             want_values, want_ids = top_candidates(logits, seen, penalty, k)
         assert torch.equal(ids, want_ids) and torch.equal(values, want_values)
         assert len(ids) >= k and torch.all(values[:-1] >= values[1:])
-        penalized = apply_repetition_penalty(logits, sorted(seen.tolist()), penalty)
+        penalized = penalize(logits, distinct_ids(seen.tolist()), penalty)
         assert torch.equal(values, penalized[ids])
         assert int((penalized >= values[-1]).sum()) == len(ids)  # every tie with the k-th, nothing below it
 
@@ -228,7 +232,7 @@ def test_the_penalized_greedy_token_is_the_greedy_token_of_the_penalized_logits(
         logits = awkward_logits(seed, vocab=5000)
         history = seen_of(seed, 5000, 200).tolist()
         for penalty in (1.0, 1.3, 0.7):
-            want = greedy_token(apply_repetition_penalty(logits, history, penalty))
+            want = greedy_token(penalize(logits, distinct_ids(history), penalty))
             assert penalized_greedy(logits, torch.tensor(history), penalty) == want
     logits = torch.tensor([0.0, float("nan"), 5.0, float("nan")])
     assert penalized_greedy(logits, torch.tensor([2]), 2.0) == 1
