@@ -50,11 +50,6 @@ def small_engine(ctx: BenchContext):
     return make
 
 
-def element_bytes(strategy: str, cache) -> int:
-    """What the cache holds an element: int8's byte, or its float dtype's (the KV precision, not the activations')."""
-    return 1 if strategy == "paged-int8" else cache.bytes_per_element
-
-
 def int8_scale_bytes_per_token(c: ModelConfig, block_size: int) -> float:
     """paged-int8's scales: one per key channel per block, one per value token, each float16."""
     scale = torch.tensor([], dtype=quant.SCALE_DTYPE).element_size()
@@ -72,7 +67,7 @@ def measure(engine: Engine, strategy: str, n: int, full_reservation: bool = Fals
             cache.prepare(seq, ids)
         prefill(engine, seq, ids, chunk=len(ids))
         stats = cache.stats(seq)
-    formula = engine.model_config.kv_bytes_per_token(element_bytes(strategy, cache))
+    formula = engine.model_config.kv_bytes_per_token(cache.bytes_per_element)  # its precision's, not the activations'
     if strategy == "paged-int8":
         formula += int8_scale_bytes_per_token(engine.model_config, 16)
     used = stats.bytes_allocated if strategy == "contiguous" else stats.bytes_used
