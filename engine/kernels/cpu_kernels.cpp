@@ -453,6 +453,11 @@ inline void prefetch_params(const uint16_t* scales, const uint16_t* minimums, in
   if (minimums) prefetch_span(minimums + row * groups, minimums + (row + 1) * groups, _MM_HINT_T0);
 }
 
+#ifdef KVSCOPE_AVX2
+// 8 float16 at p as floats
+inline __m256 halves8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#endif
+
 // float16 row -> float32 (scales, minimums of one weight row)
 inline void halves_to_floats(const uint16_t* src, float* dst, int64_t n) {
   int64_t j = 0;
@@ -763,8 +768,8 @@ __attribute__((noinline)) void int4_rows(const uint8_t* c, const uint16_t* sc, c
 
 constexpr int64_t ROW_BLOCK = 16;  // weight rows the decode layouts interleave (int4_row_block())
 
-#if defined(KVSCOPE_AVX512)
-// ---- int4 weights 16 rows a register (the decode layout where AVX-512 VNNI is built): the weight rows in groups
+#if defined(KVSCOPE_AVX2)
+// ---- int4 weights 16 rows a register (the decode layout wherever AVX2 is built): the weight rows in groups
 // of 16, each group stored block by block, 256 bytes a block of 32 codes: byte 32j + 2r + e holds code 2j + e of
 // row r in its low nibble and code 2j + 16 + e in its high one (j = 0..7, e = 0..1); the scales and minimums as
 // [N/16, G, 16]. Widened to int16, a 32-bit lane holds two codes of one row, and vpdpwssd with an activation pair
@@ -773,7 +778,11 @@ constexpr int64_t ROW_BLOCK = 16;  // weight rows the decode layouts interleave 
 // acc = fma(block sum, scale, acc), a group's minimum term acc = fma(minimum, its activation sum, acc) after its
 // last block, then acc * d_x: the same operations whatever the number of activation rows. (Rows one at a time,
 // as int4_rows reads them, took ~2x the instructions: a horizontal sum and the minimums' dot product a row.)
+// On AVX2 a 256-bit register holds 8 rows' lanes and pmaddwd + paddd stand for vpdpwssd: each group of 16 rows is
+// read as two halves, rows 0-7, then rows 8-15 (their bytes, beside the first half's in every 32, are in L1 by
+// then), with the same integers and the same float operations a lane, so the same bits as the AVX-512 kernel.
 constexpr int64_t ROW_BLOCK_BYTES = ROW_BLOCK * QK / 2;
+constexpr int64_t INT8_BLOCK_BYTES = ROW_BLOCK * QK;  // the int8 layout's (below)
 // measured on a 2-core EPYC (Zen 4) VM, the default model's 120 projections streamed at one row: 2 KiB ahead into
 // L1 ran at ~15 GB/s, 16 KiB ahead into L2 at ~21 GB/s (the memory's own speed then); no prefetch ~13 GB/s
 constexpr int64_t ROWS16_PREFETCH = 16384;
@@ -783,6 +792,28 @@ __attribute__((always_inline)) inline void prefetch_ahead(const void* p, int64_t
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + distance + off, _MM_HINT_T1);
 }
 
+// The activations as the 16-row kernels read them: for each of in_row_groups' groups (r0 a multiple of ROW_GROUP,
+// mg = min(ROW_GROUP, m - r0) rows), block b's 16 int16 pairs row-interleaved, [nb, 16, mg] int32 from
+// r0 * k / 2: pair p < 8 is codes 2p, 2p + 1 of the block's first half, p >= 8 codes 2(p - 8), +1 of its second.
+// Every broadcast of a block then lies at a constant offset from one pointer (with rows k apart, GCC computed and
+// spilled an address a row and a pair: ~2 scalar instructions a vpdpwssd at 8 rows). Every entry is written (no zeros).
+std::unique_ptr<int32_t[]> pair_grid(const QuantizedRows& x, int64_t m, int64_t k) {
+  const int64_t nb = k / QK;
+  std::unique_ptr<int32_t[]> grid(new int32_t[m * k / 2]);
+  for (int64_t r0 = 0; r0 < m; r0 += ROW_GROUP) {
+    const int64_t mg = std::min<int64_t>(ROW_GROUP, m - r0);
+    int32_t* g = grid.get() + r0 * k / 2;
+    for (int64_t i = 0; i < mg; ++i) {
+      const int16_t* q = x.q.data() + (r0 + i) * k;
+      for (int64_t b = 0; b < nb; ++b)
+        for (int64_t p = 0; p < 16; ++p)
+          std::memcpy(g + (b * 16 + p) * mg + i, q + half_at(b, p / 8, nb) + 2 * (p % 8), sizeof(int32_t));
+    }
+  }
+  return grid;
+}
+
+#if defined(KVSCOPE_AVX512)
 // acc + codes times the pair of int16 at p in every lane: vpdpwssd's embedded broadcast (the load unit repeats it);
 // GCC emitted most as a vpbroadcastd and a vpdpwssd, measured 1-5% of a projection's time at 1 to 16 rows (in the
 // KV attention's key scores, vpdpbusd's the same way measured no faster)
@@ -814,27 +845,6 @@ __attribute__((always_inline)) inline void add_block(const std::array<std::array
     for (int a = 1; a < A; ++a) total = _mm512_add_epi32(total, sums[i][a]);
     acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), scale, acc[i]);
   }
-}
-
-// The activations as the 16-row kernels read them: for each of in_row_groups' groups (r0 a multiple of ROW_GROUP,
-// mg = min(ROW_GROUP, m - r0) rows), block b's 16 int16 pairs row-interleaved, [nb, 16, mg] int32 from
-// r0 * k / 2: pair p < 8 is codes 2p, 2p + 1 of the block's first half, p >= 8 codes 2(p - 8), +1 of its second.
-// Every broadcast of a block then lies at a constant offset from one pointer (with rows k apart, GCC computed and
-// spilled an address a row and a pair: ~2 scalar instructions a vpdpwssd at 8 rows). Every entry is written (no zeros).
-std::unique_ptr<int32_t[]> pair_grid(const QuantizedRows& x, int64_t m, int64_t k) {
-  const int64_t nb = k / QK;
-  std::unique_ptr<int32_t[]> grid(new int32_t[m * k / 2]);
-  for (int64_t r0 = 0; r0 < m; r0 += ROW_GROUP) {
-    const int64_t mg = std::min<int64_t>(ROW_GROUP, m - r0);
-    int32_t* g = grid.get() + r0 * k / 2;
-    for (int64_t i = 0; i < mg; ++i) {
-      const int16_t* q = x.q.data() + (r0 + i) * k;
-      for (int64_t b = 0; b < nb; ++b)
-        for (int64_t p = 0; p < 16; ++p)
-          std::memcpy(g + (b * 16 + p) * mg + i, q + half_at(b, p / 8, nb) + 2 * (p % 8), sizeof(int32_t));
-    }
-  }
-  return grid;
 }
 
 template <int M, int G>
@@ -879,6 +889,151 @@ __attribute__((noinline)) void int4_groups16(const uint8_t* c, const uint16_t* s
   });
 }
 
+// ---- int8 weights 16 rows a register, as the int4 layout above: 512 bytes a block of 32 codes, byte 32j + 2r + e
+// holds code 2j + e of row r (j = 0..15, e = 0..1); the scales as [N/16, G, 16]. Sign-extended to int16, a 32-bit
+// lane holds two codes of one row, and vpdpwssd with an activation pair sums 16 rows at once. Per output row: the
+// blocks in order, acc = fma(block sum, scale, acc), then acc * d_x, whatever the number of activation rows. (Rows
+// one at a time, as int8_rows reads them, spent ~1.5x the int8 head's bytes' time in horizontal sums.)
+template <int M>
+__attribute__((noinline)) void int8_groups16(const int8_t* c, const uint16_t* sc, int64_t k, int64_t groups,
+                                             const QuantizedRows& x, const int32_t* grid, int64_t r0, float* out,
+                                             int64_t g0, int64_t g1, int64_t n) {
+  const int64_t nb = k / QK, per = nb / groups;  // blocks a scale group
+  constexpr int A = M == 1 ? 4 : M <= 7 ? 2 : 1;  // int32 accumulators a row: chains of dpwssd side by side
+  const int32_t* pairs = grid + r0 * k / 2;
+  each_row_group16<M>(x, r0, out, g0, g1, n, [&](int64_t gi, std::array<__m512, M>& acc) {
+    const int8_t* cg = c + gi * nb * INT8_BLOCK_BYTES;
+    const uint16_t* sg = sc + gi * groups * ROW_BLOCK;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int8_t* cb = cg + b * INT8_BLOCK_BYTES;
+      prefetch_ahead(cb, INT8_BLOCK_BYTES, ROWS16_PREFETCH);
+      const uint16_t* sb = sg + (b / per) * ROW_BLOCK;
+      if (b % per == 0) prefetch_ahead(sb, 1, ROWS16_PREFETCH / 16);
+      std::array<std::array<__m512i, A>, M> sums;
+      for (auto& row : sums) row.fill(_mm512_setzero_si512());
+      const int32_t* pb = pairs + b * 16 * M;
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) {  // codes 2j, 2j + 1 of each row: the block's half j / 8, pair j % 8
+        __m512i codes = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 32 * j)));
+        for (int i = 0; i < M; ++i) sums[i][j % A] = dpwssd_broadcast(sums[i][j % A], codes, pb + j * M + i);
+      }
+      add_block<M, A>(sums, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb))), acc);
+    }
+  });
+}
+
+#else
+// The 16-row kernels' frame on AVX2: each group of 16 weight rows in [g0, g1) as two halves of 8 rows (h = 0, 1);
+// f(gi, h, acc) adds half h's blocks into acc (M registers, one an activation row, zeroed first); then each row's
+// 8 outputs = acc * d_x
+template <int M, typename F>
+__attribute__((always_inline)) inline void each_row_half8(const QuantizedRows& x, int64_t r0, float* out, int64_t g0,
+                                                          int64_t g1, int64_t n, F f) {
+  for (int64_t gi = g0; gi < g1; ++gi)
+    for (int h = 0; h < 2; ++h) {
+      std::array<__m256, M> acc;
+      acc.fill(_mm256_setzero_ps());
+      f(gi, h, acc);
+      for (int i = 0; i < M; ++i)
+        _mm256_storeu_ps(out + (r0 + i) * n + gi * ROW_BLOCK + 8 * h, _mm256_mul_ps(acc[i], _mm256_set1_ps(x.d[r0 + i])));
+    }
+}
+
+// acc + codes (8 rows' pairs of int16) times the pair of int16 at p in every lane: 8 exact int32. The empty asm
+// keeps each sum in its register: GCC otherwise reassociated a block's integer sums into a tree, computing every
+// product first and spilling them to the stack (int4 at 4 rows ran at ~0.4x this speed)
+__attribute__((always_inline)) inline __m256i madd_add(__m256i acc, __m256i codes, const int32_t* p) {
+  acc = _mm256_add_epi32(acc, _mm256_madd_epi16(codes, _mm256_set1_epi32(*p)));
+  asm("" : "+x"(acc));
+  return acc;
+}
+
+// acc[i] = fma(row i's block sums (its A chains of int32 added), the 8 rows' scales, acc[i])
+template <int M, int A>
+__attribute__((always_inline)) inline void add_block8(const std::array<std::array<__m256i, A>, M>& sums, __m256 scale,
+                                                      std::array<__m256, M>& acc) {
+  for (int i = 0; i < M; ++i) {
+    __m256i total = sums[i][0];
+    for (int a = 1; a < A; ++a) total = _mm256_add_epi32(total, sums[i][a]);
+    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), scale, acc[i]);
+  }
+}
+
+
+template <int M, int G>
+__attribute__((noinline)) void int4_groups16(const uint8_t* c, const uint16_t* sc, const uint16_t* mn, int64_t k,
+                                             const QuantizedRows& x, const int32_t* grid, int64_t r0,
+                                             const float* xsg, float* out, int64_t g0, int64_t g1, int64_t n) {
+  const int64_t nb = k / QK, groups = k / G;
+  constexpr int A = M == 1 ? 4 : M <= 3 ? 2 : 1;  // int32 accumulators a row: chains of pmaddwd side by side
+  const __m256i low = _mm256_set1_epi16(0x0F);
+  const int32_t* pairs = grid + r0 * k / 2;
+  each_row_half8<M>(x, r0, out, g0, g1, n, [&](int64_t gi, int h, std::array<__m256, M>& acc) {
+    const uint8_t* cg = c + gi * nb * ROW_BLOCK_BYTES;
+    const uint16_t* sg = sc + gi * groups * ROW_BLOCK + 8 * h;
+    const uint16_t* mg = mn + gi * groups * ROW_BLOCK + 8 * h;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* cb = cg + b * ROW_BLOCK_BYTES;
+      const uint16_t *sb = sg + (b * QK / G) * ROW_BLOCK, *mb = mg + (b * QK / G) * ROW_BLOCK;
+      if (h == 0) {  // the first half's pass brings every line of the block
+        prefetch_ahead(cb, ROW_BLOCK_BYTES, ROWS16_PREFETCH);
+        if (b % 2 == 0) prefetch_ahead(sb, 1, ROWS16_PREFETCH / 8), prefetch_ahead(mb, 1, ROWS16_PREFETCH / 8);
+      }
+      std::array<std::array<__m256i, A>, M> sums;
+      for (auto& row : sums) row.fill(_mm256_setzero_si256());
+      const int32_t* pb = pairs + b * 16 * M;
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        __m256i t = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cb + 32 * j + 16 * h)));
+        __m256i first = _mm256_and_si256(t, low), second = _mm256_srli_epi16(t, 4);  // codes 2j.., 2j + 16..
+        for (int i = 0; i < M; ++i) {
+          auto& s0 = sums[i][j % A];
+          s0 = madd_add(s0, first, pb + j * M + i);
+          auto& s1 = sums[i][(j + A / 2) % A];
+          s1 = madd_add(s1, second, pb + (8 + j) * M + i);
+        }
+      }
+      add_block8<M, A>(sums, halves8(sb), acc);
+      if ((b * QK) % G == G - QK) {  // the group's last block: its minimums times the group's activation sums
+        __m256 minimum = halves8(mb);
+        for (int i = 0; i < M; ++i)
+          acc[i] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(xsg[(r0 + i) * groups + b * QK / G]), acc[i]);
+      }
+    }
+  });
+}
+
+template <int M>
+__attribute__((noinline)) void int8_groups16(const int8_t* c, const uint16_t* sc, int64_t k, int64_t groups,
+                                             const QuantizedRows& x, const int32_t* grid, int64_t r0, float* out,
+                                             int64_t g0, int64_t g1, int64_t n) {
+  const int64_t nb = k / QK, per = nb / groups;  // blocks a scale group
+  constexpr int A = M == 1 ? 4 : M <= 3 ? 2 : 1;
+  const int32_t* pairs = grid + r0 * k / 2;
+  each_row_half8<M>(x, r0, out, g0, g1, n, [&](int64_t gi, int h, std::array<__m256, M>& acc) {
+    const int8_t* cg = c + gi * nb * INT8_BLOCK_BYTES;
+    const uint16_t* sg = sc + gi * groups * ROW_BLOCK + 8 * h;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int8_t* cb = cg + b * INT8_BLOCK_BYTES;
+      const uint16_t* sb = sg + (b / per) * ROW_BLOCK;
+      if (h == 0) {
+        prefetch_ahead(cb, INT8_BLOCK_BYTES, ROWS16_PREFETCH);
+        if (b % per == 0) prefetch_ahead(sb, 1, ROWS16_PREFETCH / 16);
+      }
+      std::array<std::array<__m256i, A>, M> sums;
+      for (auto& row : sums) row.fill(_mm256_setzero_si256());
+      const int32_t* pb = pairs + b * 16 * M;
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) {  // codes 2j, 2j + 1 of each row: the block's half j / 8, pair j % 8
+        __m256i codes = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cb + 32 * j + 16 * h)));
+        for (int i = 0; i < M; ++i) sums[i][j % A] = madd_add(sums[i][j % A], codes, pb + j * M + i);
+      }
+      add_block8<M, A>(sums, halves8(sb), acc);
+    }
+  });
+}
+#endif
+
 // int4_linear over the 16-row layout: codes [N/16, K/32, 256] uint8, scales and minimums [N/16, G, 16] float16;
 // any number of activation rows (a prefill's too: in groups of 8 over L2-sized spans, 2.2x a float32 matmul of
 // the dequantized weights for a 512-token prompt here)
@@ -908,41 +1063,6 @@ at::Tensor int4_linear16(const at::Tensor& input, const at::Tensor& codes, const
     });
   });
   return y;
-}
-
-// ---- int8 weights 16 rows a register, as the int4 layout above: 512 bytes a block of 32 codes, byte 32j + 2r + e
-// holds code 2j + e of row r (j = 0..15, e = 0..1); the scales as [N/16, G, 16]. Sign-extended to int16, a 32-bit
-// lane holds two codes of one row, and vpdpwssd with an activation pair sums 16 rows at once. Per output row: the
-// blocks in order, acc = fma(block sum, scale, acc), then acc * d_x, whatever the number of activation rows. (Rows
-// one at a time, as int8_rows reads them, spent ~1.5x the int8 head's bytes' time in horizontal sums.)
-constexpr int64_t INT8_BLOCK_BYTES = ROW_BLOCK * QK;
-
-template <int M>
-__attribute__((noinline)) void int8_groups16(const int8_t* c, const uint16_t* sc, int64_t k, int64_t groups,
-                                             const QuantizedRows& x, const int32_t* grid, int64_t r0, float* out,
-                                             int64_t g0, int64_t g1, int64_t n) {
-  const int64_t nb = k / QK, per = nb / groups;  // blocks a scale group
-  constexpr int A = M == 1 ? 4 : M <= 7 ? 2 : 1;  // int32 accumulators a row: chains of dpwssd side by side
-  const int32_t* pairs = grid + r0 * k / 2;
-  each_row_group16<M>(x, r0, out, g0, g1, n, [&](int64_t gi, std::array<__m512, M>& acc) {
-    const int8_t* cg = c + gi * nb * INT8_BLOCK_BYTES;
-    const uint16_t* sg = sc + gi * groups * ROW_BLOCK;
-    for (int64_t b = 0; b < nb; ++b) {
-      const int8_t* cb = cg + b * INT8_BLOCK_BYTES;
-      prefetch_ahead(cb, INT8_BLOCK_BYTES, ROWS16_PREFETCH);
-      const uint16_t* sb = sg + (b / per) * ROW_BLOCK;
-      if (b % per == 0) prefetch_ahead(sb, 1, ROWS16_PREFETCH / 16);
-      std::array<std::array<__m512i, A>, M> sums;
-      for (auto& row : sums) row.fill(_mm512_setzero_si512());
-      const int32_t* pb = pairs + b * 16 * M;
-#pragma GCC unroll 16
-      for (int j = 0; j < 16; ++j) {  // codes 2j, 2j + 1 of each row: the block's half j / 8, pair j % 8
-        __m512i codes = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 32 * j)));
-        for (int i = 0; i < M; ++i) sums[i][j % A] = dpwssd_broadcast(sums[i][j % A], codes, pb + j * M + i);
-      }
-      add_block<M, A>(sums, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb))), acc);
-    }
-  });
 }
 
 // int8_linear over the 16-row layout: codes [N/16, K/32, 512] int8, scales [N/16, G, 16] float16; any number of
@@ -976,10 +1096,10 @@ at::Tensor int8_linear16(const at::Tensor& input, const at::Tensor& codes, const
 at::Tensor int4_linear(const at::Tensor& input, const at::Tensor& codes, const at::Tensor& scales,
                        const at::Tensor& minimums) {
   if (codes.dim() == 3) {
-#if defined(KVSCOPE_AVX512)
+#if defined(KVSCOPE_AVX2)
     return int4_linear16(input, codes, scales, minimums);
 #else
-    TORCH_CHECK(false, "int4: the 16-row layout needs kernels built for AVX-512 VNNI (int4_row_block() == 0)");
+    TORCH_CHECK(false, "int4: the 16-row layout needs kernels built for AVX2 (int4_row_block() == 0)");
 #endif
   }
   int64_t k = codes.size(1) * 2, n = codes.size(0);
@@ -1073,10 +1193,10 @@ __attribute__((noinline)) void int8_rows(const int8_t* c, const uint16_t* sc, in
 // 32; g = K: one scale per row).
 at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes, const at::Tensor& scales) {
   if (codes.dim() == 3) {
-#if defined(KVSCOPE_AVX512)
+#if defined(KVSCOPE_AVX2)
     return int8_linear16(input, codes, scales);
 #else
-    TORCH_CHECK(false, "int8: the 16-row layout needs kernels built for AVX-512 VNNI (int4_row_block() == 0)");
+    TORCH_CHECK(false, "int8: the 16-row layout needs kernels built for AVX2 (int4_row_block() == 0)");
 #endif
   }
   int64_t k = codes.size(1), n = codes.size(0);
@@ -2182,7 +2302,6 @@ inline __m256 codes8(const uint8_t* row, int64_t j, int64_t half) {
   }
 }
 
-inline __m256 halves8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 #endif
 
 // n rows of codes as floats (the codes' values, no scale) into out [n, D]: converted once, read by every query
@@ -4305,7 +4424,7 @@ std::vector<at::Tensor> top_candidates(const at::Tensor& logits, const at::Tenso
 // the weight rows an int4 projection's decode layout interleaves: 16 where the 16-row kernel is built, else 0
 // (codes [N, K/2], rows one at a time)
 int64_t int4_row_block() {
-#if defined(KVSCOPE_AVX512)
+#if defined(KVSCOPE_AVX2)
   return ROW_BLOCK;
 #else
   return 0;

@@ -5,11 +5,11 @@
   row, one fixed order of operations per output, so a row's result never depends on the other rows; where the
   kernels cannot be built, torch's weight-only kernels (`_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu`,
   bfloat16 activations);
-- prefill (many rows): int4 and int8 weights in kvscope's 16-row layout (its AVX-512 VNNI build) go through the
-  same kernel, whatever the number of rows (a 512-token prompt 2.2x faster than the float32 matmul below, on a
-  Zen 4 EPYC; and a row's result is the same in a prefill as in a decode step); other weights are dequantized once
-  to float32 for the call, then a float32 matmul, which on CPU is several times faster for many rows than any
-  weight-only kernel of torch's that we measured.
+- prefill (many rows): int4 and int8 weights in kvscope's 16-row layout (built wherever AVX2 is) go through the
+  same kernel, whatever the number of rows (a 512-token prompt 2.2x faster than the float32 matmul below on a
+  Zen 4 EPYC with AVX-512, 1.6x on a Zen 3 with AVX2; and a row's result is the same in a prefill as in a decode
+  step); other weights are dequantized once to float32 for the call, then a float32 matmul, which on CPU is
+  several times faster for many rows than any weight-only kernel of torch's that we measured.
 
 Every module also serves embedding rows (`rows`), so a tied embedding shares the head's storage.
 """
@@ -72,7 +72,7 @@ class WeightLinear(nn.Module):
         return self.out_features, self.in_features
 
     def takes_rows16(self) -> bool:
-        """Whether the compiled kernels read this weight in their 16-row layout (built for AVX-512 VNNI; the
+        """Whether the compiled kernels read this weight in their 16-row layout (built for AVX2 and AVX-512; the
         output rows come in 16s)."""
         return self.compiled is not None and self.out_features % ROW_BLOCK == 0 \
             and self.compiled.int4_row_block() == ROW_BLOCK
@@ -158,8 +158,8 @@ class FloatLinear(WeightLinear):
 
 class Int8Linear(WeightLinear):
     """Symmetric int8 codes with one scale per output channel, or per group of K (GGUF's Q8_0: the same
-    integers). kvscope's kernel reads them in one call, in its 16-row layout (`rows16`) where its AVX-512 kernel
-    is built, else as codes [N, K] and scales [N, G]; torch's fallback kernel takes one call per group of K, summed."""
+    integers). kvscope's kernel reads them in one call, in its 16-row layout (`rows16`) where its kernel is built
+    (AVX2), else as codes [N, K] and scales [N, G]; torch's fallback kernel takes one call per group of K, summed."""
 
     format_name = "int8"
     kernel_device: str | None = None  # the device type torch's kernel was picked and checked on (None: not prepared)
@@ -260,7 +260,7 @@ def regrouped_for_kernel(q: QuantizedWeight) -> QuantizedWeight:
 
 class Int4Linear(WeightLinear):
     """Asymmetric int4 in groups along K (w = code * scale + minimum), held in the layout its decode kernel reads:
-    kvscope's 16-row layout (`rows16`) where its AVX-512 kernel is built, else the codes as GGUF packs them
+    kvscope's 16-row layout (`rows16`) where its kernel is built (AVX2), else the codes as GGUF packs them
     ([N, K/2]), else torch's CPU int4 packing (prefill reads that packing back when we know its layout, checked
     against the codes at load; otherwise the codes are kept beside it).
     """
