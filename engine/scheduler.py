@@ -410,7 +410,7 @@ class Scheduler:
         batch, feeds, width, rows, skipped = [], [], 0, self._prefill_rows(), {r.id for r in skip}
         prefilling = sorted((r for r in self.running if r.remaining > 1 and r.id not in skipped), key=lambda r: r.turn)
         for req in prefilling:
-            piece = self._next_piece(req, rows)
+            piece = self._next_piece(req, rows, one_reply_token=self.cache.quantization_group > 0)
             if batch and (len(batch) + 1) * max(width, len(piece)) > rows:
                 continue
             width = max(width, len(piece))
@@ -428,10 +428,17 @@ class Scheduler:
         return c.step_rows
 
     @staticmethod
-    def _next_piece(req: Request, rows: int) -> list[int]:
-        """The tokens from num_computed up to the next multiple of rows (or the last token)."""
+    def _next_piece(req: Request, rows: int, one_reply_token: bool = False) -> list[int]:
+        """The tokens from num_computed up to the next multiple of rows (or the last token). one_reply_token: a reply
+        recomputed after a preemption goes as it was decoded, a token a step, after the prompt's own pieces. A
+        quantized cache turns a block into codes in the step that fills it, and every row of that step reads them:
+        a piece that filled a block with reply tokens gave rows that had read the block in full precision, one
+        token a step, other bits (a greedy stream took another token at a near tie)."""
         start = req.num_computed
-        return req.tokens[start:(start // rows + 1) * rows]
+        end = (start // rows + 1) * rows
+        if one_reply_token:
+            end = start + 1 if start >= len(req.prompt) else min(end, len(req.prompt))
+        return req.tokens[start:end]
 
     def _run_step(self, batch: list[Request], feeds: list[list[int]]) -> None:
         while batch:
