@@ -1694,57 +1694,66 @@ inline void weigh_values(const float* e, const T* const* v, int64_t n, float* ou
 }
 
 #ifdef KVSCOPE_AVX2
+#ifdef __AVX512F__
+constexpr int VECTOR_REGISTERS = 32;  // ymm0-31 where AVX-512 VL is built
+#else
+constexpr int VECTOR_REGISTERS = 16;
+#endif
+
 // score_keys for NV query vectors that see the same keys (one KV head's group at one position): each key is loaded
 // and converted once for all of them; every score is summed exactly as score_keys sums it (the same bits).
-// q[v]: the vectors; k: n <= 4 key rows; out[v]: where vector v's n scores go.
+// q[v]: the vectors; k: n <= 4 key rows; out[v]: where vector v's n scores go. Where NV x 4 accumulators and the
+// four keys would not fit the registers (16 on AVX2), two keys at a time: a key's sum is the same whichever keys
+// share its hsum4.
 template <typename T, int NV>
 inline void score_four_keys(const float* const* q, const T* const* k, int64_t n, int64_t d, float* const* out) {
-  const T* r[4];
-  for (int64_t j = 0; j < 4; ++j) r[j] = k[std::min<int64_t>(j, n - 1)];
-  __m256 acc[NV][4];
-  {
-    __m256 k0 = Load<T>::v8(r[0]), k1 = Load<T>::v8(r[1]), k2 = Load<T>::v8(r[2]), k3 = Load<T>::v8(r[3]);
+  constexpr int KEYS = NV * 4 + 5 <= VECTOR_REGISTERS ? 4 : 2;
+  for (int64_t k0 = 0; k0 < n; k0 += KEYS) {
+    const T* r[KEYS];
+    for (int64_t j = 0; j < KEYS; ++j) r[j] = k[std::min<int64_t>(k0 + j, n - 1)];
+    __m256 acc[NV][KEYS];
     for (int v = 0; v < NV; ++v) {
       __m256 qv = _mm256_loadu_ps(q[v]);
-      acc[v][0] = _mm256_mul_ps(qv, k0), acc[v][1] = _mm256_mul_ps(qv, k1);
-      acc[v][2] = _mm256_mul_ps(qv, k2), acc[v][3] = _mm256_mul_ps(qv, k3);
+      for (int j = 0; j < KEYS; ++j) acc[v][j] = _mm256_mul_ps(qv, Load<T>::v8(r[j]));
     }
-  }
-  for (int64_t j = 8; j < d; j += 8) {
-    __m256 k0 = Load<T>::v8(r[0] + j), k1 = Load<T>::v8(r[1] + j), k2 = Load<T>::v8(r[2] + j), k3 = Load<T>::v8(r[3] + j);
+    for (int64_t c = 8; c < d; c += 8) {
+      __m256 keys[KEYS];
+      for (int j = 0; j < KEYS; ++j) keys[j] = Load<T>::v8(r[j] + c);
+      for (int v = 0; v < NV; ++v) {
+        __m256 qv = _mm256_loadu_ps(q[v] + c);
+        for (int j = 0; j < KEYS; ++j) acc[v][j] = _mm256_fmadd_ps(qv, keys[j], acc[v][j]);
+      }
+    }
     for (int v = 0; v < NV; ++v) {
-      __m256 qv = _mm256_loadu_ps(q[v] + j);
-      acc[v][0] = _mm256_fmadd_ps(qv, k0, acc[v][0]), acc[v][1] = _mm256_fmadd_ps(qv, k1, acc[v][1]);
-      acc[v][2] = _mm256_fmadd_ps(qv, k2, acc[v][2]), acc[v][3] = _mm256_fmadd_ps(qv, k3, acc[v][3]);
+      alignas(16) float four[4];
+      _mm_store_ps(four, KEYS == 4 ? hsum4(acc[v][0], acc[v][1], acc[v][KEYS - 2], acc[v][KEYS - 1])
+                                   : hsum4(acc[v][0], acc[v][1], acc[v][0], acc[v][1]));
+      for (int64_t j = 0; j < KEYS && k0 + j < n; ++j) out[v][k0 + j] = four[j];
     }
-  }
-  for (int v = 0; v < NV; ++v) {
-    alignas(16) float four[4];
-    _mm_store_ps(four, hsum4(acc[v][0], acc[v][1], acc[v][2], acc[v][3]));
-    for (int64_t j = 0; j < n; ++j) out[v][j] = four[j];
   }
 }
 
 // weigh_values for NV vectors over the same n value rows: out_v[0..d) += sum over p of e_v[p] * v[p], each row
-// loaded and converted once for all of them, 32 channels at a time; every sum in weigh_values' order (same bits)
+// loaded and converted once for all of them, 32 channels at a time (16 where that spilled: score_four_keys); every
+// sum in weigh_values' order (same bits)
 template <typename T, int NV>
 inline void weigh_rows(const float* const* e, const T* const* v, int64_t n, float* const* out, int64_t d) {
+  constexpr int R = NV * 4 + 5 <= VECTOR_REGISTERS ? 4 : 2;  // registers of 8 channels a step (as score_four_keys)
   int64_t c = 0;
-  for (; c + 32 <= d; c += 32) {
-    __m256 acc[NV][4];
+  for (; c + 8 * R <= d; c += 8 * R) {
+    __m256 acc[NV][R];
     for (int u = 0; u < NV; ++u)
-      for (int j = 0; j < 4; ++j) acc[u][j] = _mm256_loadu_ps(out[u] + c + 8 * j);
+      for (int j = 0; j < R; ++j) acc[u][j] = _mm256_loadu_ps(out[u] + c + 8 * j);
     for (int64_t p = 0; p < n; ++p) {
-      __m256 v0 = Load<T>::v8(v[p] + c), v1 = Load<T>::v8(v[p] + c + 8);
-      __m256 v2 = Load<T>::v8(v[p] + c + 16), v3 = Load<T>::v8(v[p] + c + 24);
+      __m256 rows[R];
+      for (int j = 0; j < R; ++j) rows[j] = Load<T>::v8(v[p] + c + 8 * j);
       for (int u = 0; u < NV; ++u) {
         __m256 w = _mm256_set1_ps(e[u][p]);
-        acc[u][0] = _mm256_fmadd_ps(w, v0, acc[u][0]), acc[u][1] = _mm256_fmadd_ps(w, v1, acc[u][1]);
-        acc[u][2] = _mm256_fmadd_ps(w, v2, acc[u][2]), acc[u][3] = _mm256_fmadd_ps(w, v3, acc[u][3]);
+        for (int j = 0; j < R; ++j) acc[u][j] = _mm256_fmadd_ps(w, rows[j], acc[u][j]);
       }
     }
     for (int u = 0; u < NV; ++u)
-      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out[u] + c + 8 * j, acc[u][j]);
+      for (int j = 0; j < R; ++j) _mm256_storeu_ps(out[u] + c + 8 * j, acc[u][j]);
   }
   for (; c < d; c += 8) {
     __m256 acc[NV];
