@@ -399,3 +399,17 @@ def test_while_a_stream_decodes_a_new_prompt_rides_in_its_step_one_token_a_tick(
     while not col2.done(later):
         sched.tick()
     assert col2.tokens(later) == col.tokens(alone_id)
+
+
+def test_a_quantized_cache_recomputes_a_preempted_reply_a_token_a_step_after_the_prompts_pieces():
+    """A quantized cache turns a block into codes in the step that fills it, read by every row of that step, so a
+    reply recomputed after a preemption goes as it was decoded; a float cache's pieces run on to step_rows."""
+    from types import SimpleNamespace
+
+    req = SimpleNamespace(prompt=list(range(69)), tokens=list(range(75)), num_computed=64)  # 69 prompt + 6 reply
+    assert Scheduler._next_piece(req, 16) == list(range(64, 75))
+    assert Scheduler._next_piece(req, 16, one_reply_token=True) == list(range(64, 69))
+    req.num_computed = 69
+    assert Scheduler._next_piece(req, 16, one_reply_token=True) == [69]
+    req.num_computed = 32
+    assert Scheduler._next_piece(req, 16, one_reply_token=True) == list(range(32, 48))

@@ -959,7 +959,6 @@ __attribute__((always_inline)) inline void add_block8(const std::array<std::arra
   }
 }
 
-
 template <int M, int G>
 __attribute__((noinline)) void int4_groups16(const uint8_t* c, const uint16_t* sc, const uint16_t* mn, int64_t k,
                                              const QuantizedRows& x, const int32_t* grid, int64_t r0,
