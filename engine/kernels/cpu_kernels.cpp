@@ -780,7 +780,8 @@ constexpr int64_t ROW_BLOCK = 16;  // weight rows the decode layouts interleave 
 // as int4_rows reads them, took ~2x the instructions: a horizontal sum and the minimums' dot product a row.)
 // On AVX2 a 256-bit register holds 8 rows' lanes and pmaddwd + paddd stand for vpdpwssd: each group of 16 rows is
 // read as two halves, rows 0-7, then rows 8-15 (their bytes, beside the first half's in every 32, are in L1 by
-// then), with the same integers and the same float operations a lane, so the same bits as the AVX-512 kernel.
+// then), with the same integers and the same float operations a lane: by construction the AVX-512 kernel's bits
+// (not compared across machines).
 constexpr int64_t ROW_BLOCK_BYTES = ROW_BLOCK * QK / 2;
 constexpr int64_t INT8_BLOCK_BYTES = ROW_BLOCK * QK;  // the int8 layout's (below)
 // measured on a 2-core EPYC (Zen 4) VM, the default model's 120 projections streamed at one row: 2 KiB ahead into
