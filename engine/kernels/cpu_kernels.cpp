@@ -1700,6 +1700,11 @@ constexpr int VECTOR_REGISTERS = 32;  // ymm0-31 where AVX-512 VL is built
 constexpr int VECTOR_REGISTERS = 16;
 #endif
 
+// registers of keys (score_four_keys) or of 8 value channels (weigh_rows) a step for NV vectors: 4 where NV x 4
+// accumulators and the 4 loaded registers fit, else 2
+template <int NV>
+constexpr int registers_a_step() { return NV * 4 + 5 <= VECTOR_REGISTERS ? 4 : 2; }
+
 // score_keys for NV query vectors that see the same keys (one KV head's group at one position): each key is loaded
 // and converted once for all of them; every score is summed exactly as score_keys sums it (the same bits).
 // q[v]: the vectors; k: n <= 4 key rows; out[v]: where vector v's n scores go. Where NV x 4 accumulators and the
@@ -1707,7 +1712,7 @@ constexpr int VECTOR_REGISTERS = 16;
 // share its hsum4.
 template <typename T, int NV>
 inline void score_four_keys(const float* const* q, const T* const* k, int64_t n, int64_t d, float* const* out) {
-  constexpr int KEYS = NV * 4 + 5 <= VECTOR_REGISTERS ? 4 : 2;
+  constexpr int KEYS = registers_a_step<NV>();
   for (int64_t k0 = 0; k0 < n; k0 += KEYS) {
     const T* r[KEYS];
     for (int64_t j = 0; j < KEYS; ++j) r[j] = k[std::min<int64_t>(k0 + j, n - 1)];
@@ -1726,8 +1731,7 @@ inline void score_four_keys(const float* const* q, const T* const* k, int64_t n,
     }
     for (int v = 0; v < NV; ++v) {
       alignas(16) float four[4];
-      _mm_store_ps(four, KEYS == 4 ? hsum4(acc[v][0], acc[v][1], acc[v][KEYS - 2], acc[v][KEYS - 1])
-                                   : hsum4(acc[v][0], acc[v][1], acc[v][0], acc[v][1]));
+      _mm_store_ps(four, hsum4(acc[v][0], acc[v][1], acc[v][KEYS - 2], acc[v][KEYS - 1]));  // two keys: twice
       for (int64_t j = 0; j < KEYS && k0 + j < n; ++j) out[v][k0 + j] = four[j];
     }
   }
@@ -1738,7 +1742,7 @@ inline void score_four_keys(const float* const* q, const T* const* k, int64_t n,
 // sum in weigh_values' order (same bits)
 template <typename T, int NV>
 inline void weigh_rows(const float* const* e, const T* const* v, int64_t n, float* const* out, int64_t d) {
-  constexpr int R = NV * 4 + 5 <= VECTOR_REGISTERS ? 4 : 2;  // registers of 8 channels a step (as score_four_keys)
+  constexpr int R = registers_a_step<NV>();
   int64_t c = 0;
   for (; c + 8 * R <= d; c += 8 * R) {
     __m256 acc[NV][R];
