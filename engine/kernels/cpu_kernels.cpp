@@ -2491,6 +2491,62 @@ void score_codes_fixed(const int16_t* codes, int64_t n, const int16_t* qi, float
   }
 }
 
+// score_codes' sums for NV int16 queries at once, straight from n rows of int8 codes (C * 16 bytes each): a row is
+// widened in registers once for every vector, eight rows' sums meet in one register (no widened copy of the
+// block, no scalar stores); the same int32 sums and the same fma a score, so the same bits
+template <int C, int NV>
+void score_int8_rows(const uint8_t* const* rows, int64_t n, const int16_t* const* qi, const float* dq,
+                     const float* bias, float* const* out) {
+  for (int64_t p = 0; p < n; p += 8) {
+    __m256i four[2][NV];  // per vector: tokens p..p+3, then p+4..p+7, as the two 128-bit halves' partial sums
+    for (int h = 0; h < 2; ++h) {
+      __m256i two[2][NV];
+      for (int t2 = 0; t2 < 2; ++t2) {
+        __m256i s[2][NV];
+        for (int t = 0; t < 2; ++t) {
+          const uint8_t* row = rows[std::min(p + 4 * h + 2 * t2 + t, n - 1)];
+          for (int c = 0; c < C; ++c) {
+            __m256i r = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c)));
+            for (int v = 0; v < NV; ++v) {
+              __m256i m = _mm256_madd_epi16(r, load256(qi[v] + 16 * c));
+              s[t][v] = c ? _mm256_add_epi32(s[t][v], m) : m;
+            }
+          }
+        }
+        for (int v = 0; v < NV; ++v) two[t2][v] = _mm256_hadd_epi32(s[0][v], s[1][v]);
+      }
+      for (int v = 0; v < NV; ++v) four[h][v] = _mm256_hadd_epi32(two[0][v], two[1][v]);
+    }
+    for (int v = 0; v < NV; ++v) {
+      __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(four[0][v], four[1][v], 0x20),
+                                      _mm256_permute2x128_si256(four[0][v], four[1][v], 0x31));
+      __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(dq[v]), _mm256_set1_ps(bias[v]));
+      if (p + 8 <= n) {
+        _mm256_storeu_ps(out[v] + p, f);
+      } else {
+        alignas(32) float tail[8];
+        _mm256_store_ps(tail, f);
+        std::copy(tail, tail + (n - p), out[v] + p);
+      }
+    }
+  }
+}
+
+// whether score_int8_rows takes keys of d channels
+inline bool int8_rows_fit(int64_t d) { return d == 32 || d == 64 || d == 96 || d == 128; }
+
+template <int NV>
+inline void score_int8_rows_any(const uint8_t* const* rows, int64_t n, int64_t d, const int16_t* const* qi,
+                                const float* dq, const float* bias, float* const* out) {
+  switch (d / 16) {
+    case 2: return score_int8_rows<2, NV>(rows, n, qi, dq, bias, out);
+    case 4: return score_int8_rows<4, NV>(rows, n, qi, dq, bias, out);
+    case 6: return score_int8_rows<6, NV>(rows, n, qi, dq, bias, out);
+    case 8: return score_int8_rows<8, NV>(rows, n, qi, dq, bias, out);
+    default: TORCH_CHECK(false, "score_int8_rows: head_dim ", d);
+  }
+}
+
 inline void score_codes(const int16_t* codes, int64_t n, int64_t dp, const int16_t* qi, float dq, float bias,
                         float* out) {
   switch (dp / 16) {  // dp is a multiple of 32
@@ -3295,6 +3351,26 @@ inline void score_int_block(const float* q, const uint8_t* const* code, const ui
       if (s - k0 > last[i]) continue;
       float bias, dq = query_int8(q + i * d, sc, mn, d, dp, qs.data(), qb.data(), &bias);
       score_nibbles(unpacked.data(), e - s, dp, qb.data(), dq, bias, scores + i * padded + s - k0);
+    }
+    return;
+  }
+  if (int8_rows_fit(d)) {  // the vectors that see this block, three at a time
+    qi.resize(3 * dp);
+    for (int64_t i = 0; i < nq;) {
+      int64_t take[3], nv = 0;
+      for (; i < nq && nv < 3; ++i)
+        if (s - k0 <= last[i]) take[nv++] = i;
+      in_threes(nv, [&](int64_t, auto count) {
+        constexpr int NV = decltype(count)::value;
+        const int16_t* qv[NV];
+        float dq[NV], bias[NV], *out[NV];
+        for (int v = 0; v < NV; ++v) {
+          int16_t* slot = qi.data() + v * dp;
+          dq[v] = query_int16(q + take[v] * d, sc, mn, d, dp, qs.data(), slot, bias + v);
+          qv[v] = slot, out[v] = scores + take[v] * padded + s - k0;
+        }
+        score_int8_rows_any<NV>(code, e - s, d, qv, dq, bias, out);
+      });
     }
     return;
   }
