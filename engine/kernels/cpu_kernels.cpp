@@ -2531,13 +2531,13 @@ __attribute__((always_inline)) inline void int8_pair_sums(const uint8_t* row0, c
   }
 }
 
-// score_codes' sums for NV int16 queries at once, straight from n rows of int8 codes (C * 16 bytes each): two rows
-// are widened in registers for every vector, eight rows' sums meet in one register (no widened copy of the block,
-// no scalar stores); the same int32 sums and the same fma a score, so the same bits. Each loop is unrolled so that
-// the arrays stay in registers (GCC kept a rolled loop's sums on the stack: a step's scoring 1.3x as long)
-template <int C, int NV>
-void score_int8_rows(const uint8_t* const* rows, int64_t n, const int16_t* const* qi, const float* dq,
-                     const float* bias, float* const* out) {
+// NV vectors' scores against n rows, eight rows a register of sums: pair_sums(row0, row1, s0, s1) gives two rows'
+// int32 lane sums for every vector (exact, in any order), and out_v[p] = fma(sum, dq_v, bias_v) as score_codes and
+// score_nibbles compute them four rows at a time (the same bits; no scalar stores). Every loop is unrolled so that
+// the arrays stay in registers (GCC kept a rolled loop's sums on the stack: the int8 scoring 1.3x as long)
+template <int NV, typename PairSums>
+__attribute__((always_inline)) inline void score_rows8(const uint8_t* const* rows, int64_t n, const float* dq,
+                                                       const float* bias, float* const* out, PairSums pair_sums) {
   for (int64_t p = 0; p < n; p += 8) {
     __m256i four[2][NV];  // per vector: tokens p..p+3, then p+4..p+7, as the two 128-bit halves' partial sums
 #pragma GCC unroll 2
@@ -2546,8 +2546,8 @@ void score_int8_rows(const uint8_t* const* rows, int64_t n, const int16_t* const
 #pragma GCC unroll 2
       for (int t2 = 0; t2 < 2; ++t2) {
         __m256i s0[NV], s1[NV];
-        int64_t t = p + 4 * h + 2 * t2;
-        int8_pair_sums<C, NV>(rows[std::min(t, n - 1)], rows[std::min(t + 1, n - 1)], qi, s0, s1);
+        int64_t t = p + 4 * h + 2 * t2;  // (a last group reads its last row again in the missing places)
+        pair_sums(rows[std::min(t, n - 1)], rows[std::min(t + 1, n - 1)], s0, s1);
 #pragma GCC unroll 3
         for (int v = 0; v < NV; ++v) two[t2][v] = _mm256_hadd_epi32(s0[v], s1[v]);
       }
@@ -2568,6 +2568,16 @@ void score_int8_rows(const uint8_t* const* rows, int64_t n, const int16_t* const
       }
     }
   }
+}
+
+// score_codes' sums for NV int16 queries straight from n rows of int8 codes (C * 16 bytes each): no widened copy
+// of the block
+template <int C, int NV>
+void score_int8_rows(const uint8_t* const* rows, int64_t n, const int16_t* const* qi, const float* dq,
+                     const float* bias, float* const* out) {
+  score_rows8<NV>(rows, n, dq, bias, out, [&](const uint8_t* r0, const uint8_t* r1, __m256i* s0, __m256i* s1) {
+    int8_pair_sums<C, NV>(r0, r1, qi, s0, s1);
+  });
 }
 
 // whether score_int8_rows takes keys of d channels
@@ -2659,6 +2669,34 @@ void score_nibbles_fixed(const uint8_t* codes, int64_t n, const int8_t* qi, floa
     _mm_store_ps(f, _mm_fmadd_ps(_mm_cvtepi32_ps(four), vdq, vbias));
     for (int64_t r = 0; r < 4 && p + r < n; ++r) out[p + r] = f[r];
   }
+}
+
+// score_nibbles' sums for NV int8 queries (channel order, as unpack_int4) straight from n rows of packed int4 codes
+// (H32 * 32 bytes each, d = 64 * H32): a byte's low nibble is channel j, its high one half + j; two rows unpacked in
+// registers for every vector, the int16 pairs of a row summed before one madd as score_nibbles does (the same sums)
+template <int H32, int NV>
+void score_int4_rows(const uint8_t* const* rows, int64_t n, const int8_t* const* qb, const float* dq,
+                     const float* bias, float* const* out) {
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  score_rows8<NV>(rows, n, dq, bias, out, [&](const uint8_t* r0, const uint8_t* r1, __m256i* s0, __m256i* s1) {
+    __m256i p0[NV], p1[NV];
+#pragma GCC unroll 8
+    for (int c = 0; c < H32; ++c) {
+      __m256i b0 = load256(r0 + 32 * c), b1 = load256(r1 + 32 * c);
+      __m256i lo0 = _mm256_and_si256(b0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(b0, 4), low);
+      __m256i lo1 = _mm256_and_si256(b1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(b1, 4), low);
+#pragma GCC unroll 3
+      for (int v = 0; v < NV; ++v) {
+        __m256i ql = load256(qb[v] + 32 * c), qh = load256(qb[v] + 32 * (H32 + c));
+        __m256i a0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, ql), _mm256_maddubs_epi16(hi0, qh));
+        __m256i a1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, ql), _mm256_maddubs_epi16(hi1, qh));
+        p0[v] = c ? _mm256_add_epi16(p0[v], a0) : a0;
+        p1[v] = c ? _mm256_add_epi16(p1[v], a1) : a1;
+      }
+    }
+#pragma GCC unroll 3
+    for (int v = 0; v < NV; ++v) s0[v] = _mm256_madd_epi16(p0[v], ones), s1[v] = _mm256_madd_epi16(p1[v], ones);
+  });
 }
 
 inline void score_nibbles(const uint8_t* codes, int64_t n, int64_t dp, const int8_t* qi, float dq, float bias,
@@ -3392,6 +3430,27 @@ inline void score_int_block(const float* q, const uint8_t* const* code, const ui
   }
   if constexpr (BITS == 4) {  // codes as bytes against a one-part int8 query
     auto& qb = scratch.qb;
+    if (d == 64 || d == 128) {  // straight from the packed rows, the vectors that see this block three at a time
+      qb.resize(3 * dp);
+      for (int64_t i = 0; i < nq;) {
+        int64_t take[3], nv = 0;
+        for (; i < nq && nv < 3; ++i)
+          if (s - k0 <= last[i]) take[nv++] = i;
+        in_threes(nv, [&](int64_t, auto count) {
+          constexpr int NV = decltype(count)::value;
+          const int8_t* qv[NV];
+          float dq[NV], bias[NV], *out[NV];
+          for (int v = 0; v < NV; ++v) {
+            int8_t* slot = qb.data() + v * dp;
+            dq[v] = query_int8(q + take[v] * d, sc, mn, d, dp, qs.data(), slot, bias + v);
+            qv[v] = slot, out[v] = scores + take[v] * padded + s - k0;
+          }
+          if (d == 64) score_int4_rows<1, NV>(code, e - s, qv, dq, bias, out);
+          else score_int4_rows<2, NV>(code, e - s, qv, dq, bias, out);
+        });
+      }
+      return;
+    }
     unpacked.resize((e - s) * dp);
     unpack_codes<BITS>(code, e - s, d, dp, unpacked.data());
     qb.resize(dp);
