@@ -2389,7 +2389,7 @@ template <int BITS> constexpr float QUERY_GRID = BITS == 4 ? 127.f : 32512.f;
 #ifdef KVSCOPE_AVX2
 // ---- int4 / int8 keys by integer dot products: a block's per-channel key scales fold into the query, qs = q * scale,
 // which goes onto an int16 grid per block, qs ~ dq * qi (15 bits of its largest channel, as the weight kernels'
-// two-part activations); its dot with a key's codes (int4 0..15, int8 -127..127, widened to int16 once for every query vector) is exact
+// two-part activations); its dot with a key's codes (int4 0..15, int8 -127..127 widened to int16 in registers) is exact
 // in int32 (madd: at most D * 127 * 32767 for int8, D <= 256), so score = dq * (codes . qi) + q . min.
 constexpr int64_t CODE_LANES = 32;  // channels per register of unpacked codes
 
@@ -3405,8 +3405,19 @@ inline void prefetch_codes(const QuantRows<BITS>& keys, const QuantRows<BITS>& v
   }
 }
 
-// the scores of every vector against one block of codes [s, e) (one set of key scales `prm`), from the block's
-// codes widened to int16 once
+// f(take, NV) for the vectors that see a block starting at `from` (from <= last[i]), up to three at a time
+template <typename F>
+__attribute__((always_inline)) inline void seeing_threes(const int64_t* last, int64_t nq, int64_t from, F f) {
+  for (int64_t i = 0; i < nq;) {
+    int64_t take[3], nv = 0;
+    for (; i < nq && nv < 3; ++i)
+      if (from <= last[i]) take[nv++] = i;
+    in_threes(nv, [&](int64_t, auto count) { f(take, count); });
+  }
+}
+
+// the scores of every vector against one block of codes [s, e) (one set of key scales `prm`): AVX2 reads the codes
+// where they lie for the common head sizes (score_int8_rows, score_int4_rows), else from a widened or unpacked copy
 template <int BITS>
 inline void score_int_block(const float* q, const uint8_t* const* code, const uint16_t* prm, const int64_t* last,
                              int64_t nq, int64_t d, int64_t s, int64_t e, int64_t k0, float* scores, int64_t padded,
@@ -3432,23 +3443,18 @@ inline void score_int_block(const float* q, const uint8_t* const* code, const ui
     auto& qb = scratch.qb;
     if (d == 64 || d == 128) {  // straight from the packed rows, the vectors that see this block three at a time
       qb.resize(3 * dp);
-      for (int64_t i = 0; i < nq;) {
-        int64_t take[3], nv = 0;
-        for (; i < nq && nv < 3; ++i)
-          if (s - k0 <= last[i]) take[nv++] = i;
-        in_threes(nv, [&](int64_t, auto count) {
-          constexpr int NV = decltype(count)::value;
-          const int8_t* qv[NV];
-          float dq[NV], bias[NV], *out[NV];
-          for (int v = 0; v < NV; ++v) {
-            int8_t* slot = qb.data() + v * dp;
-            dq[v] = query_int8(q + take[v] * d, sc, mn, d, dp, qs.data(), slot, bias + v);
-            qv[v] = slot, out[v] = scores + take[v] * padded + s - k0;
-          }
-          if (d == 64) score_int4_rows<1, NV>(code, e - s, qv, dq, bias, out);
-          else score_int4_rows<2, NV>(code, e - s, qv, dq, bias, out);
-        });
-      }
+      seeing_threes(last, nq, s - k0, [&](const int64_t* take, auto count) {
+        constexpr int NV = decltype(count)::value;
+        const int8_t* qv[NV];
+        float dq[NV], bias[NV], *out[NV];
+        for (int v = 0; v < NV; ++v) {
+          int8_t* slot = qb.data() + v * dp;
+          dq[v] = query_int8(q + take[v] * d, sc, mn, d, dp, qs.data(), slot, bias + v);
+          qv[v] = slot, out[v] = scores + take[v] * padded + s - k0;
+        }
+        if (d == 64) score_int4_rows<1, NV>(code, e - s, qv, dq, bias, out);
+        else score_int4_rows<2, NV>(code, e - s, qv, dq, bias, out);
+      });
       return;
     }
     unpacked.resize((e - s) * dp);
@@ -3463,22 +3469,17 @@ inline void score_int_block(const float* q, const uint8_t* const* code, const ui
   }
   if (int8_rows_fit(d)) {  // the vectors that see this block, three at a time
     qi.resize(3 * dp);
-    for (int64_t i = 0; i < nq;) {
-      int64_t take[3], nv = 0;
-      for (; i < nq && nv < 3; ++i)
-        if (s - k0 <= last[i]) take[nv++] = i;
-      in_threes(nv, [&](int64_t, auto count) {
-        constexpr int NV = decltype(count)::value;
-        const int16_t* qv[NV];
-        float dq[NV], bias[NV], *out[NV];
-        for (int v = 0; v < NV; ++v) {
-          int16_t* slot = qi.data() + v * dp;
-          dq[v] = query_int16_any(q + take[v] * d, sc, d, slot), bias[v] = 0.f;
-          qv[v] = slot, out[v] = scores + take[v] * padded + s - k0;
-        }
-        score_int8_rows_any<NV>(code, e - s, d, qv, dq, bias, out);
-      });
-    }
+    seeing_threes(last, nq, s - k0, [&](const int64_t* take, auto count) {
+      constexpr int NV = decltype(count)::value;
+      const int16_t* qv[NV];
+      float dq[NV], bias[NV], *out[NV];
+      for (int v = 0; v < NV; ++v) {
+        int16_t* slot = qi.data() + v * dp;
+        dq[v] = query_int16_any(q + take[v] * d, sc, d, slot), bias[v] = 0.f;
+        qv[v] = slot, out[v] = scores + take[v] * padded + s - k0;
+      }
+      score_int8_rows_any<NV>(code, e - s, d, qv, dq, bias, out);
+    });
     return;
   }
   wide.resize((e - s) * dp);
