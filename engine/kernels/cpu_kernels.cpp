@@ -2469,27 +2469,6 @@ inline float query_int16(const float* q, const float* sc, const float* mn, int64
   return top / 32767.f;
 }
 
-// query_int16 for int8 keys (bias 0) of D8 * 8 channels, q * scale kept in registers: the same products, grid and
-// integers
-template <int D8>
-inline float query_int16_fixed(const float* q, const float* sc, int16_t* qi) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 x[D8], amax[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-#pragma GCC unroll 16
-  for (int k = 0; k < D8; ++k) {
-    x[k] = _mm256_mul_ps(_mm256_loadu_ps(q + 8 * k), _mm256_load_ps(sc + 8 * k));
-    amax[k & 1] = _mm256_max_ps(amax[k & 1], _mm256_andnot_ps(sign, x[k]));
-  }
-  float top = hmax(_mm256_max_ps(amax[0], amax[1])), inv = top > 0.f ? 32767.f / top : 0.f;
-  const __m256 vinv = _mm256_set1_ps(inv);
-#pragma GCC unroll 8
-  for (int k = 0; k < D8; k += 2) {
-    __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(x[k], vinv)), c = _mm256_cvtps_epi32(_mm256_mul_ps(x[k + 1], vinv));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qi + 8 * k), _mm256_permute4x64_epi64(_mm256_packs_epi32(a, c), 0xD8));
-  }
-  return top / 32767.f;
-}
-
 // scores of an int16 query against n rows of int16 codes (C registers of 16 each): out[p] = dq * (codes . qi)
 // + bias, four rows at a time (a last group reads its last row again in the missing places)
 template <int C>
@@ -2583,15 +2562,6 @@ void score_int8_rows(const uint8_t* const* rows, int64_t n, const int16_t* const
 // whether score_int8_rows takes keys of d channels
 inline bool int8_rows_fit(int64_t d) { return d == 32 || d == 64 || d == 96 || d == 128; }
 
-inline float query_int16_any(const float* q, const float* sc, int64_t d, int16_t* qi) {
-  switch (d / 16) {  // (d: int8_rows_fit's)
-    case 2: return query_int16_fixed<4>(q, sc, qi);
-    case 4: return query_int16_fixed<8>(q, sc, qi);
-    case 6: return query_int16_fixed<12>(q, sc, qi);
-    default: return query_int16_fixed<16>(q, sc, qi);
-  }
-}
-
 template <int NV>
 inline void score_int8_rows_any(const uint8_t* const* rows, int64_t n, int64_t d, const int16_t* const* qi,
                                 const float* dq, const float* bias, float* const* out) {
@@ -2674,6 +2644,9 @@ void score_nibbles_fixed(const uint8_t* codes, int64_t n, const int8_t* qi, floa
 // score_nibbles' sums for NV int8 queries (channel order, as unpack_int4) straight from n rows of packed int4 codes
 // (H32 * 32 bytes each, d = 64 * H32): a byte's low nibble is channel j, its high one half + j; two rows unpacked in
 // registers for every vector, the int16 pairs of a row summed before one madd as score_nibbles does (the same sums)
+// whether score_int4_rows takes keys of d channels
+inline bool int4_rows_fit(int64_t d) { return d == 64 || d == 128; }
+
 template <int H32, int NV>
 void score_int4_rows(const uint8_t* const* rows, int64_t n, const int8_t* const* qb, const float* dq,
                      const float* bias, float* const* out) {
@@ -3089,7 +3062,7 @@ inline void weights_8bit(const float* w, int64_t n, int16_t* w8, float* dw) {
 #else
     alignas(32) float tail[WEIGHT_CHUNK] = {};  // a last chunk's m weights, then zeros
     const float* x = w + c0;
-    if (m < WEIGHT_CHUNK) x = std::copy(x, x + m, tail) - m;
+    if (m < WEIGHT_CHUNK) std::copy(x, x + m, tail), x = tail;
     __m256 v[4];
     for (int k = 0; k < 4; ++k) v[k] = _mm256_loadu_ps(x + 8 * k);
     float wmax = hmax(_mm256_max_ps(_mm256_max_ps(v[0], v[1]), _mm256_max_ps(v[2], v[3])));
@@ -3441,7 +3414,7 @@ inline void score_int_block(const float* q, const uint8_t* const* code, const ui
   }
   if constexpr (BITS == 4) {  // codes as bytes against a one-part int8 query
     auto& qb = scratch.qb;
-    if (d == 64 || d == 128) {  // straight from the packed rows, the vectors that see this block three at a time
+    if (int4_rows_fit(d)) {  // straight from the packed rows, the vectors that see this block three at a time
       qb.resize(3 * dp);
       seeing_threes(last, nq, s - k0, [&](const int64_t* take, auto count) {
         constexpr int NV = decltype(count)::value;
@@ -3475,7 +3448,7 @@ inline void score_int_block(const float* q, const uint8_t* const* code, const ui
       float dq[NV], bias[NV], *out[NV];
       for (int v = 0; v < NV; ++v) {
         int16_t* slot = qi.data() + v * dp;
-        dq[v] = query_int16_any(q + take[v] * d, sc, d, slot), bias[v] = 0.f;
+        dq[v] = query_int16(q + take[v] * d, sc, mn, d, dp, qs.data(), slot, bias + v);
         qv[v] = slot, out[v] = scores + take[v] * padded + s - k0;
       }
       score_int8_rows_any<NV>(code, e - s, d, qv, dq, bias, out);
