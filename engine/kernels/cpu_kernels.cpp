@@ -960,12 +960,65 @@ __attribute__((always_inline)) inline void add_block8(const std::array<std::arra
   }
 }
 
-template <int M, int G>
-__attribute__((noinline)) void int4_groups16(const uint8_t* c, const uint16_t* sc, const uint16_t* mn, int64_t k,
-                                             const QuantizedRows& x, const int32_t* grid, int64_t r0,
-                                             const float* xsg, float* out, int64_t g0, int64_t g1, int64_t n) {
+// A decode step's one activation row, both halves of a group of 16 rows in one pass over each block (the 16 rows'
+// lanes of a 32-byte line widened as two registers, rows 0-7 and 8-15): every line is read once, when it arrives,
+// where the two passes above read half of each line and then the other half. The same integer sums and float steps a
+// lane (the same bits); the default model's weights streamed at 21 against 16 GB/s in a standalone loop (Zen 3)
+template <typename Block>
+__attribute__((always_inline)) inline void each_row_group_once(const QuantizedRows& x, int64_t r0, float* out,
+                                                               int64_t g0, int64_t g1, int64_t n, Block block) {
+  for (int64_t gi = g0; gi < g1; ++gi) {
+    std::array<__m256, 2> acc{_mm256_setzero_ps(), _mm256_setzero_ps()};
+    block(gi, acc);
+    __m256 d = _mm256_set1_ps(x.d[r0]);
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + r0 * n + gi * ROW_BLOCK + 8 * h, _mm256_mul_ps(acc[h], d));
+  }
+}
+
+template <int G>
+void int4_group16_once(const uint8_t* c, const uint16_t* sc, const uint16_t* mn, int64_t k, const QuantizedRows& x,
+                       const int32_t* grid, int64_t r0, const float* xsg, float* out, int64_t g0, int64_t g1,
+                       int64_t n) {
   const int64_t nb = k / QK, groups = k / G;
-  constexpr int A = M == 1 ? 4 : M <= 3 ? 2 : 1;  // int32 accumulators a row: chains of pmaddwd side by side
+  const __m256i low = _mm256_set1_epi16(0x0F);
+  const int32_t* pairs = grid + r0 * k / 2;
+  each_row_group_once(x, r0, out, g0, g1, n, [&](int64_t gi, std::array<__m256, 2>& acc) {
+    const uint8_t* cg = c + gi * nb * ROW_BLOCK_BYTES;
+    const uint16_t* sg = sc + gi * groups * ROW_BLOCK;
+    const uint16_t* mg = mn + gi * groups * ROW_BLOCK;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* cb = cg + b * ROW_BLOCK_BYTES;
+      const uint16_t *sb = sg + (b * QK / G) * ROW_BLOCK, *mb = mg + (b * QK / G) * ROW_BLOCK;
+      prefetch_ahead(cb, ROW_BLOCK_BYTES, ROWS16_PREFETCH);
+      if (b % 2 == 0) prefetch_ahead(sb, 1, ROWS16_PREFETCH / 8), prefetch_ahead(mb, 1, ROWS16_PREFETCH / 8);
+      std::array<std::array<__m256i, 2>, 2> sums{};  // [half][first / second codes]
+      const int32_t* pb = pairs + b * 16;
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j)
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          __m256i t = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cb + 32 * j + 16 * h)));
+          sums[h][0] = madd_add(sums[h][0], _mm256_and_si256(t, low), pb + j);  // codes 2j.., 2j + 16..
+          sums[h][1] = madd_add(sums[h][1], _mm256_srli_epi16(t, 4), pb + 8 + j);
+        }
+      for (int h = 0; h < 2; ++h) {
+        __m256i total = _mm256_add_epi32(sums[h][0], sums[h][1]);
+        acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), halves8(sb + 8 * h), acc[h]);
+      }
+      if ((b * QK) % G == G - QK) {  // the group's last block: its minimums times the group's activation sums
+        __m256 sum = _mm256_set1_ps(xsg[r0 * groups + b * QK / G]);
+        for (int h = 0; h < 2; ++h) acc[h] = _mm256_fmadd_ps(halves8(mb + 8 * h), sum, acc[h]);
+      }
+    }
+  });
+}
+
+// activation rows 2 to 8: rows 0-7 of each group of 16, then rows 8-15 (M x 2 accumulators a half)
+template <int M, int G>
+void int4_halves16(const uint8_t* c, const uint16_t* sc, const uint16_t* mn, int64_t k, const QuantizedRows& x,
+                   const int32_t* grid, int64_t r0, const float* xsg, float* out, int64_t g0, int64_t g1, int64_t n) {
+  const int64_t nb = k / QK, groups = k / G;
+  constexpr int A = M <= 3 ? 2 : 1;  // int32 accumulators a row: chains of pmaddwd side by side
   const __m256i low = _mm256_set1_epi16(0x0F);
   const int32_t* pairs = grid + r0 * k / 2;
   each_row_half8<M>(x, r0, out, g0, g1, n, [&](int64_t gi, int h, std::array<__m256, M>& acc) {
@@ -1003,12 +1056,40 @@ __attribute__((noinline)) void int4_groups16(const uint8_t* c, const uint16_t* s
   });
 }
 
-template <int M>
-__attribute__((noinline)) void int8_groups16(const int8_t* c, const uint16_t* sc, int64_t k, int64_t groups,
-                                             const QuantizedRows& x, const int32_t* grid, int64_t r0, float* out,
-                                             int64_t g0, int64_t g1, int64_t n) {
+void int8_group16_once(const int8_t* c, const uint16_t* sc, int64_t k, int64_t groups, const QuantizedRows& x,
+                       const int32_t* grid, int64_t r0, float* out, int64_t g0, int64_t g1, int64_t n) {
   const int64_t nb = k / QK, per = nb / groups;  // blocks a scale group
-  constexpr int A = M == 1 ? 4 : M <= 3 ? 2 : 1;
+  const int32_t* pairs = grid + r0 * k / 2;
+  each_row_group_once(x, r0, out, g0, g1, n, [&](int64_t gi, std::array<__m256, 2>& acc) {
+    const int8_t* cg = c + gi * nb * INT8_BLOCK_BYTES;
+    const uint16_t* sg = sc + gi * groups * ROW_BLOCK;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int8_t* cb = cg + b * INT8_BLOCK_BYTES;
+      const uint16_t* sb = sg + (b / per) * ROW_BLOCK;
+      prefetch_ahead(cb, INT8_BLOCK_BYTES, ROWS16_PREFETCH);
+      if (b % per == 0) prefetch_ahead(sb, 1, ROWS16_PREFETCH / 16);
+      std::array<std::array<__m256i, 2>, 2> sums{};  // [half][two chains]
+      const int32_t* pb = pairs + b * 16;
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j)
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          __m256i codes = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cb + 32 * j + 16 * h)));
+          sums[h][j % 2] = madd_add(sums[h][j % 2], codes, pb + j);
+        }
+      for (int h = 0; h < 2; ++h) {
+        __m256i total = _mm256_add_epi32(sums[h][0], sums[h][1]);
+        acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), halves8(sb + 8 * h), acc[h]);
+      }
+    }
+  });
+}
+
+template <int M>
+void int8_halves16(const int8_t* c, const uint16_t* sc, int64_t k, int64_t groups, const QuantizedRows& x,
+                   const int32_t* grid, int64_t r0, float* out, int64_t g0, int64_t g1, int64_t n) {
+  const int64_t nb = k / QK, per = nb / groups;  // blocks a scale group
+  constexpr int A = M <= 3 ? 2 : 1;
   const int32_t* pairs = grid + r0 * k / 2;
   each_row_half8<M>(x, r0, out, g0, g1, n, [&](int64_t gi, int h, std::array<__m256, M>& acc) {
     const int8_t* cg = c + gi * nb * INT8_BLOCK_BYTES;
@@ -1031,6 +1112,26 @@ __attribute__((noinline)) void int8_groups16(const int8_t* c, const uint16_t* sc
       add_block8<M, A>(sums, halves8(sb), acc);
     }
   });
+}
+
+template <int M, int G>
+__attribute__((noinline)) void int4_groups16(const uint8_t* c, const uint16_t* sc, const uint16_t* mn, int64_t k,
+                                             const QuantizedRows& x, const int32_t* grid, int64_t r0,
+                                             const float* xsg, float* out, int64_t g0, int64_t g1, int64_t n) {
+  if constexpr (M == 1)
+    int4_group16_once<G>(c, sc, mn, k, x, grid, r0, xsg, out, g0, g1, n);
+  else
+    int4_halves16<M, G>(c, sc, mn, k, x, grid, r0, xsg, out, g0, g1, n);
+}
+
+template <int M>
+__attribute__((noinline)) void int8_groups16(const int8_t* c, const uint16_t* sc, int64_t k, int64_t groups,
+                                             const QuantizedRows& x, const int32_t* grid, int64_t r0, float* out,
+                                             int64_t g0, int64_t g1, int64_t n) {
+  if constexpr (M == 1)
+    int8_group16_once(c, sc, k, groups, x, grid, r0, out, g0, g1, n);
+  else
+    int8_halves16<M>(c, sc, k, groups, x, grid, r0, out, g0, g1, n);
 }
 #endif
 
@@ -1700,45 +1801,53 @@ constexpr int VECTOR_REGISTERS = 32;  // ymm0-31 where AVX-512 VL is built
 constexpr int VECTOR_REGISTERS = 16;
 #endif
 
-// registers of keys (score_four_keys) or of 8 value channels (weigh_rows) a step for NV vectors: 4 where NV x 4
-// accumulators and the 4 loaded registers fit, else 2
+// registers of 8 value channels (weigh_rows) a step for NV vectors: 4 where NV x 4 accumulators and the 4 loaded
+// registers fit, else 2
 template <int NV>
 constexpr int registers_a_step() { return NV * 4 + 5 <= VECTOR_REGISTERS ? 4 : 2; }
 
-// score_keys for NV query vectors that see the same keys (one KV head's group at one position): each key is loaded
-// and converted once for all of them; every score is summed exactly as score_keys sums it (the same bits).
-// q[v]: the vectors; k: n <= 4 key rows; out[v]: where vector v's n scores go. Where NV x 4 accumulators and the
-// four keys would not fit the registers (16 on AVX2), two keys at a time: a key's sum is the same whichever keys
-// share its hsum4.
+// score_keys for NV query vectors that see the same keys (one KV head's group at one position): four keys at a
+// time, each key's 8 channels loaded and converted once for all NV vectors, and the vectors' 8 channels loaded once
+// for the four keys (channels outer, keys inner: NV x 4 accumulators, NV query registers and one key register; the
+// keys outer, with the query reloaded for every key, spent 2.4x the cycles on a Zen 3); every score is summed
+// exactly as score_keys sums it (the same bits: a key's sum is the same whichever keys share its hsum4).
+// q[v]: the vectors; k: n <= 4 key rows (a last group of fewer reads its last key again); out[v]: where vector v's
+// n scores go
 template <typename T, int NV>
 inline void score_four_keys(const float* const* q, const T* const* k, int64_t n, int64_t d, float* const* out) {
-  constexpr int KEYS = registers_a_step<NV>();
-  for (int64_t k0 = 0; k0 < n; k0 += KEYS) {
-    const T* r[KEYS];
-    for (int64_t j = 0; j < KEYS; ++j) r[j] = k[std::min<int64_t>(k0 + j, n - 1)];
-    __m256 acc[NV][KEYS];
-    for (int v = 0; v < NV; ++v) {
-      __m256 qv = _mm256_loadu_ps(q[v]);
-      for (int j = 0; j < KEYS; ++j) acc[v][j] = _mm256_mul_ps(qv, Load<T>::v8(r[j]));
-    }
-    for (int64_t c = 8; c < d; c += 8) {
-      __m256 keys[KEYS];
-      for (int j = 0; j < KEYS; ++j) keys[j] = Load<T>::v8(r[j] + c);
-      for (int v = 0; v < NV; ++v) {
-        __m256 qv = _mm256_loadu_ps(q[v] + c);
-        for (int j = 0; j < KEYS; ++j) acc[v][j] = _mm256_fmadd_ps(qv, keys[j], acc[v][j]);
+  static_assert(NV * 5 + 1 <= VECTOR_REGISTERS, "NV x 4 accumulators, NV query registers and a key");
+  for (int64_t k0 = 0; k0 < n; k0 += 4) {
+    const T* r[4];
+    for (int64_t j = 0; j < 4; ++j) r[j] = k[std::min<int64_t>(k0 + j, n - 1)];
+    __m256 acc[NV][4];
+    for (int64_t c = 0; c < d; c += 8) {
+      __m256 qv[NV];
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) qv[v] = _mm256_loadu_ps(q[v] + c);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        __m256 key = Load<T>::v8(r[j] + c);
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v)
+          acc[v][j] = c == 0 ? _mm256_mul_ps(qv[v], key) : _mm256_fmadd_ps(qv[v], key, acc[v][j]);
       }
     }
+#pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) {
+      __m128 sums = hsum4(acc[v][0], acc[v][1], acc[v][2], acc[v][3]);
+      if (n - k0 >= 4) {
+        _mm_storeu_ps(out[v] + k0, sums);
+        continue;
+      }
       alignas(16) float four[4];
-      _mm_store_ps(four, hsum4(acc[v][0], acc[v][1], acc[v][KEYS - 2], acc[v][KEYS - 1]));  // two keys: twice
-      for (int64_t j = 0; j < KEYS && k0 + j < n; ++j) out[v][k0 + j] = four[j];
+      _mm_store_ps(four, sums);
+      for (int64_t j = 0; k0 + j < n; ++j) out[v][k0 + j] = four[j];
     }
   }
 }
 
 // weigh_values for NV vectors over the same n value rows: out_v[0..d) += sum over p of e_v[p] * v[p], each row
-// loaded and converted once for all of them, 32 channels at a time (16 where that spilled: score_four_keys); every
+// loaded and converted once for all of them, 32 channels at a time (16 where those accumulators would not fit); every
 // sum in weigh_values' order (same bits)
 template <typename T, int NV>
 inline void weigh_rows(const float* const* e, const T* const* v, int64_t n, float* const* out, int64_t d) {
