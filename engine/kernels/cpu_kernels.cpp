@@ -960,29 +960,57 @@ __attribute__((always_inline)) inline void add_block8(const std::array<std::arra
   }
 }
 
-// A decode step's one activation row, both halves of a group of 16 rows in one pass over each block (the 16 rows'
-// lanes of a 32-byte line widened as two registers, rows 0-7 and 8-15): every line is read once, when it arrives,
-// where the two passes above read half of each line and then the other half. The same integer sums and float steps a
-// lane (the same bits); the default model's weights streamed at 21 against 16 GB/s in a standalone loop (Zen 3)
-template <typename Block>
+// One to three activation rows (a decode step's one, a few streams or verify rows): both halves of a group of 16
+// rows in one pass over each block (the 16 rows' lanes of a 32-byte line widened as two registers, rows 0-7 and
+// 8-15), so every line is read once, when it arrives, where the two passes below read half of each line and then the
+// other half. The same integer sums and float steps a lane (the same bits). In a standalone loop (Zen 3) the default
+// model's weights streamed at 21 against 16 GB/s at one row, and 1.08x / 1.2x the GMAC/s at two / three rows; at
+// four rows and more the 2 x M chains of sums spilled (0.6-0.8x): those keep the two passes.
+constexpr int ONE_PASS_ROWS = 3;
+
+// C int32 chains of sums per row and half: two at one row (the first and the second codes apart), one above
+template <int M> constexpr int ONE_PASS_CHAINS = M == 1 ? 2 : 1;
+
+// for each group of 16 rows in [g0, g1): block(gi, acc) adds its blocks into acc ([row][half], zeroed first), then
+// each row's 16 outputs = acc * d_x
+template <int M, typename Block>
 __attribute__((always_inline)) inline void each_row_group_once(const QuantizedRows& x, int64_t r0, float* out,
                                                                int64_t g0, int64_t g1, int64_t n, Block block) {
   for (int64_t gi = g0; gi < g1; ++gi) {
-    std::array<__m256, 2> acc{_mm256_setzero_ps(), _mm256_setzero_ps()};
+    std::array<std::array<__m256, 2>, M> acc;
+    for (auto& row : acc) row.fill(_mm256_setzero_ps());
     block(gi, acc);
-    __m256 d = _mm256_set1_ps(x.d[r0]);
-    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + r0 * n + gi * ROW_BLOCK + 8 * h, _mm256_mul_ps(acc[h], d));
+    for (int i = 0; i < M; ++i)
+      for (int h = 0; h < 2; ++h)
+        _mm256_storeu_ps(out + (r0 + i) * n + gi * ROW_BLOCK + 8 * h,
+                         _mm256_mul_ps(acc[i][h], _mm256_set1_ps(x.d[r0 + i])));
   }
 }
 
-template <int G>
+// acc[i][h] = fma(row i's half-h block sums (its C chains added), the half's 8 scales, acc[i][h])
+template <int M, int C>
+__attribute__((always_inline)) inline void add_block_once(const std::array<std::array<std::array<__m256i, C>, 2>, M>& sums,
+                                                          const uint16_t* scales,
+                                                          std::array<std::array<__m256, 2>, M>& acc) {
+  for (int h = 0; h < 2; ++h) {
+    __m256 scale = halves8(scales + 8 * h);
+    for (int i = 0; i < M; ++i) {
+      __m256i total = sums[i][h][0];
+      for (int a = 1; a < C; ++a) total = _mm256_add_epi32(total, sums[i][h][a]);
+      acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), scale, acc[i][h]);
+    }
+  }
+}
+
+template <int M, int G>
 void int4_group16_once(const uint8_t* c, const uint16_t* sc, const uint16_t* mn, int64_t k, const QuantizedRows& x,
                        const int32_t* grid, int64_t r0, const float* xsg, float* out, int64_t g0, int64_t g1,
                        int64_t n) {
   const int64_t nb = k / QK, groups = k / G;
+  constexpr int C = ONE_PASS_CHAINS<M>;
   const __m256i low = _mm256_set1_epi16(0x0F);
   const int32_t* pairs = grid + r0 * k / 2;
-  each_row_group_once(x, r0, out, g0, g1, n, [&](int64_t gi, std::array<__m256, 2>& acc) {
+  each_row_group_once<M>(x, r0, out, g0, g1, n, [&](int64_t gi, std::array<std::array<__m256, 2>, M>& acc) {
     const uint8_t* cg = c + gi * nb * ROW_BLOCK_BYTES;
     const uint16_t* sg = sc + gi * groups * ROW_BLOCK;
     const uint16_t* mg = mn + gi * groups * ROW_BLOCK;
@@ -991,34 +1019,37 @@ void int4_group16_once(const uint8_t* c, const uint16_t* sc, const uint16_t* mn,
       const uint16_t *sb = sg + (b * QK / G) * ROW_BLOCK, *mb = mg + (b * QK / G) * ROW_BLOCK;
       prefetch_ahead(cb, ROW_BLOCK_BYTES, ROWS16_PREFETCH);
       if (b % 2 == 0) prefetch_ahead(sb, 1, ROWS16_PREFETCH / 8), prefetch_ahead(mb, 1, ROWS16_PREFETCH / 8);
-      std::array<std::array<__m256i, 2>, 2> sums{};  // [half][first / second codes]
-      const int32_t* pb = pairs + b * 16;
+      std::array<std::array<std::array<__m256i, C>, 2>, M> sums{};  // [row][half][chain]
+      const int32_t* pb = pairs + b * 16 * M;
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j)
 #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
           __m256i t = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cb + 32 * j + 16 * h)));
-          sums[h][0] = madd_add(sums[h][0], _mm256_and_si256(t, low), pb + j);  // codes 2j.., 2j + 16..
-          sums[h][1] = madd_add(sums[h][1], _mm256_srli_epi16(t, 4), pb + 8 + j);
+          __m256i first = _mm256_and_si256(t, low), second = _mm256_srli_epi16(t, 4);  // codes 2j.., 2j + 16..
+#pragma GCC unroll 4
+          for (int i = 0; i < M; ++i) {
+            sums[i][h][0] = madd_add(sums[i][h][0], first, pb + j * M + i);
+            sums[i][h][C - 1] = madd_add(sums[i][h][C - 1], second, pb + (8 + j) * M + i);
+          }
         }
-      for (int h = 0; h < 2; ++h) {
-        __m256i total = _mm256_add_epi32(sums[h][0], sums[h][1]);
-        acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), halves8(sb + 8 * h), acc[h]);
-      }
-      if ((b * QK) % G == G - QK) {  // the group's last block: its minimums times the group's activation sums
-        __m256 sum = _mm256_set1_ps(xsg[r0 * groups + b * QK / G]);
-        for (int h = 0; h < 2; ++h) acc[h] = _mm256_fmadd_ps(halves8(mb + 8 * h), sum, acc[h]);
-      }
+      add_block_once<M, C>(sums, sb, acc);
+      if ((b * QK) % G == G - QK)  // the group's last block: its minimums times the group's activation sums
+        for (int h = 0; h < 2; ++h) {
+          __m256 minimum = halves8(mb + 8 * h);
+          for (int i = 0; i < M; ++i)
+            acc[i][h] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(xsg[(r0 + i) * groups + b * QK / G]), acc[i][h]);
+        }
     }
   });
 }
 
-// activation rows 2 to 8: rows 0-7 of each group of 16, then rows 8-15 (M x 2 accumulators a half)
+// four to eight activation rows: rows 0-7 of each group of 16, then rows 8-15
 template <int M, int G>
 void int4_halves16(const uint8_t* c, const uint16_t* sc, const uint16_t* mn, int64_t k, const QuantizedRows& x,
                    const int32_t* grid, int64_t r0, const float* xsg, float* out, int64_t g0, int64_t g1, int64_t n) {
   const int64_t nb = k / QK, groups = k / G;
-  constexpr int A = M <= 3 ? 2 : 1;  // int32 accumulators a row: chains of pmaddwd side by side
+  constexpr int A = 1;  // one int32 chain a row: four rows and more are chains enough side by side
   const __m256i low = _mm256_set1_epi16(0x0F);
   const int32_t* pairs = grid + r0 * k / 2;
   each_row_half8<M>(x, r0, out, g0, g1, n, [&](int64_t gi, int h, std::array<__m256, M>& acc) {
@@ -1056,11 +1087,13 @@ void int4_halves16(const uint8_t* c, const uint16_t* sc, const uint16_t* mn, int
   });
 }
 
+template <int M>
 void int8_group16_once(const int8_t* c, const uint16_t* sc, int64_t k, int64_t groups, const QuantizedRows& x,
                        const int32_t* grid, int64_t r0, float* out, int64_t g0, int64_t g1, int64_t n) {
   const int64_t nb = k / QK, per = nb / groups;  // blocks a scale group
+  constexpr int C = ONE_PASS_CHAINS<M>;
   const int32_t* pairs = grid + r0 * k / 2;
-  each_row_group_once(x, r0, out, g0, g1, n, [&](int64_t gi, std::array<__m256, 2>& acc) {
+  each_row_group_once<M>(x, r0, out, g0, g1, n, [&](int64_t gi, std::array<std::array<__m256, 2>, M>& acc) {
     const int8_t* cg = c + gi * nb * INT8_BLOCK_BYTES;
     const uint16_t* sg = sc + gi * groups * ROW_BLOCK;
     for (int64_t b = 0; b < nb; ++b) {
@@ -1068,19 +1101,17 @@ void int8_group16_once(const int8_t* c, const uint16_t* sc, int64_t k, int64_t g
       const uint16_t* sb = sg + (b / per) * ROW_BLOCK;
       prefetch_ahead(cb, INT8_BLOCK_BYTES, ROWS16_PREFETCH);
       if (b % per == 0) prefetch_ahead(sb, 1, ROWS16_PREFETCH / 16);
-      std::array<std::array<__m256i, 2>, 2> sums{};  // [half][two chains]
-      const int32_t* pb = pairs + b * 16;
+      std::array<std::array<std::array<__m256i, C>, 2>, M> sums{};  // [row][half][chain]
+      const int32_t* pb = pairs + b * 16 * M;
 #pragma GCC unroll 16
       for (int j = 0; j < 16; ++j)
 #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
           __m256i codes = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cb + 32 * j + 16 * h)));
-          sums[h][j % 2] = madd_add(sums[h][j % 2], codes, pb + j);
+#pragma GCC unroll 4
+          for (int i = 0; i < M; ++i) sums[i][h][j % C] = madd_add(sums[i][h][j % C], codes, pb + j * M + i);
         }
-      for (int h = 0; h < 2; ++h) {
-        __m256i total = _mm256_add_epi32(sums[h][0], sums[h][1]);
-        acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), halves8(sb + 8 * h), acc[h]);
-      }
+      add_block_once<M, C>(sums, sb, acc);
     }
   });
 }
@@ -1089,7 +1120,7 @@ template <int M>
 void int8_halves16(const int8_t* c, const uint16_t* sc, int64_t k, int64_t groups, const QuantizedRows& x,
                    const int32_t* grid, int64_t r0, float* out, int64_t g0, int64_t g1, int64_t n) {
   const int64_t nb = k / QK, per = nb / groups;  // blocks a scale group
-  constexpr int A = M <= 3 ? 2 : 1;
+  constexpr int A = 1;
   const int32_t* pairs = grid + r0 * k / 2;
   each_row_half8<M>(x, r0, out, g0, g1, n, [&](int64_t gi, int h, std::array<__m256, M>& acc) {
     const int8_t* cg = c + gi * nb * INT8_BLOCK_BYTES;
@@ -1118,8 +1149,8 @@ template <int M, int G>
 __attribute__((noinline)) void int4_groups16(const uint8_t* c, const uint16_t* sc, const uint16_t* mn, int64_t k,
                                              const QuantizedRows& x, const int32_t* grid, int64_t r0,
                                              const float* xsg, float* out, int64_t g0, int64_t g1, int64_t n) {
-  if constexpr (M == 1)
-    int4_group16_once<G>(c, sc, mn, k, x, grid, r0, xsg, out, g0, g1, n);
+  if constexpr (M <= ONE_PASS_ROWS)
+    int4_group16_once<M, G>(c, sc, mn, k, x, grid, r0, xsg, out, g0, g1, n);
   else
     int4_halves16<M, G>(c, sc, mn, k, x, grid, r0, xsg, out, g0, g1, n);
 }
@@ -1128,8 +1159,8 @@ template <int M>
 __attribute__((noinline)) void int8_groups16(const int8_t* c, const uint16_t* sc, int64_t k, int64_t groups,
                                              const QuantizedRows& x, const int32_t* grid, int64_t r0, float* out,
                                              int64_t g0, int64_t g1, int64_t n) {
-  if constexpr (M == 1)
-    int8_group16_once(c, sc, k, groups, x, grid, r0, out, g0, g1, n);
+  if constexpr (M <= ONE_PASS_ROWS)
+    int8_group16_once<M>(c, sc, k, groups, x, grid, r0, out, g0, g1, n);
   else
     int8_halves16<M>(c, sc, k, groups, x, grid, r0, out, g0, g1, n);
 }
