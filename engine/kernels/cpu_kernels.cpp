@@ -987,10 +987,12 @@ __attribute__((always_inline)) inline void each_row_group_once(const QuantizedRo
   }
 }
 
+// a block's int32 sums of M rows, [row][half][chain]
+template <int M, int C> using OnePassSums = std::array<std::array<std::array<__m256i, C>, 2>, M>;
+
 // acc[i][h] = fma(row i's half-h block sums (its C chains added), the half's 8 scales, acc[i][h])
 template <int M, int C>
-__attribute__((always_inline)) inline void add_block_once(const std::array<std::array<std::array<__m256i, C>, 2>, M>& sums,
-                                                          const uint16_t* scales,
+__attribute__((always_inline)) inline void add_block_once(const OnePassSums<M, C>& sums, const uint16_t* scales,
                                                           std::array<std::array<__m256, 2>, M>& acc) {
   for (int h = 0; h < 2; ++h) {
     __m256 scale = halves8(scales + 8 * h);
@@ -1019,7 +1021,7 @@ void int4_group16_once(const uint8_t* c, const uint16_t* sc, const uint16_t* mn,
       const uint16_t *sb = sg + (b * QK / G) * ROW_BLOCK, *mb = mg + (b * QK / G) * ROW_BLOCK;
       prefetch_ahead(cb, ROW_BLOCK_BYTES, ROWS16_PREFETCH);
       if (b % 2 == 0) prefetch_ahead(sb, 1, ROWS16_PREFETCH / 8), prefetch_ahead(mb, 1, ROWS16_PREFETCH / 8);
-      std::array<std::array<std::array<__m256i, C>, 2>, M> sums{};  // [row][half][chain]
+      OnePassSums<M, C> sums{};
       const int32_t* pb = pairs + b * 16 * M;
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j)
@@ -1101,7 +1103,7 @@ void int8_group16_once(const int8_t* c, const uint16_t* sc, int64_t k, int64_t g
       const uint16_t* sb = sg + (b / per) * ROW_BLOCK;
       prefetch_ahead(cb, INT8_BLOCK_BYTES, ROWS16_PREFETCH);
       if (b % per == 0) prefetch_ahead(sb, 1, ROWS16_PREFETCH / 16);
-      std::array<std::array<std::array<__m256i, C>, 2>, M> sums{};  // [row][half][chain]
+      OnePassSums<M, C> sums{};
       const int32_t* pb = pairs + b * 16 * M;
 #pragma GCC unroll 16
       for (int j = 0; j < 16; ++j)
@@ -1835,8 +1837,8 @@ constexpr int VECTOR_REGISTERS = 16;
 // score_keys for NV query vectors that see the same keys (one KV head's group at one position): four keys at a
 // time, each key's 8 channels loaded and converted once for all NV vectors, and the vectors' 8 channels loaded once
 // for the four keys (channels outer, keys inner: NV x 4 accumulators, NV query registers and one key register; the
-// keys outer, with the query reloaded for every key, spent 2.4x the cycles on a Zen 3); every score is summed
-// exactly as score_keys sums it (the same bits: a key's sum is the same whichever keys share its hsum4).
+// keys outer, with the query reloaded for every key, took 2.4x the cycles standalone on a Zen 3); every score is
+// summed exactly as score_keys sums it (the same bits: a key's sum is the same whichever keys share its hsum4).
 // q[v]: the vectors; k: n <= 4 key rows (a last group of fewer reads its last key again); out[v]: where vector v's
 // n scores go
 template <typename T, int NV>
@@ -1913,7 +1915,6 @@ inline void weigh_rows(const float* const* e, const T* const* v, int64_t n, floa
     for (int u = 0; u < NV; ++u) _mm256_storeu_ps(out[u] + c, acc[u]);
   }
 }
-
 #endif
 
 #ifdef KVSCOPE_AVX512
