@@ -22,7 +22,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 NAME = "kvscope_cpu_kernels"
-TAG = "kvscope kernels 16"  # in the keys of measured choices (weights, KV precision): a new version measures again
+TAG = "kvscope kernels 17"  # in the keys of measured choices (weights, KV precision): a new version measures again
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]  # the host's instruction set
 
 
