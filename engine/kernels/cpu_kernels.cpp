@@ -949,15 +949,11 @@ __attribute__((always_inline)) inline __m256i madd_add(__m256i acc, __m256i code
   return acc;
 }
 
-// acc[i] = fma(row i's block sums (its A chains of int32 added), the 8 rows' scales, acc[i])
-template <int M, int A>
-__attribute__((always_inline)) inline void add_block8(const std::array<std::array<__m256i, A>, M>& sums, __m256 scale,
+// acc[i] = fma(row i's block sums, the 8 rows' scales, acc[i])
+template <int M>
+__attribute__((always_inline)) inline void add_block8(const std::array<__m256i, M>& sums, __m256 scale,
                                                       std::array<__m256, M>& acc) {
-  for (int i = 0; i < M; ++i) {
-    __m256i total = sums[i][0];
-    for (int a = 1; a < A; ++a) total = _mm256_add_epi32(total, sums[i][a]);
-    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), scale, acc[i]);
-  }
+  for (int i = 0; i < M; ++i) acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i]), scale, acc[i]);
 }
 
 // One to three activation rows (a decode step's one, a few streams or verify rows): both halves of a group of 16
@@ -1051,7 +1047,6 @@ template <int M, int G>
 void int4_halves16(const uint8_t* c, const uint16_t* sc, const uint16_t* mn, int64_t k, const QuantizedRows& x,
                    const int32_t* grid, int64_t r0, const float* xsg, float* out, int64_t g0, int64_t g1, int64_t n) {
   const int64_t nb = k / QK, groups = k / G;
-  constexpr int A = 1;  // one int32 chain a row: four rows and more are chains enough side by side
   const __m256i low = _mm256_set1_epi16(0x0F);
   const int32_t* pairs = grid + r0 * k / 2;
   each_row_half8<M>(x, r0, out, g0, g1, n, [&](int64_t gi, int h, std::array<__m256, M>& acc) {
@@ -1065,21 +1060,19 @@ void int4_halves16(const uint8_t* c, const uint16_t* sc, const uint16_t* mn, int
         prefetch_ahead(cb, ROW_BLOCK_BYTES, ROWS16_PREFETCH);
         if (b % 2 == 0) prefetch_ahead(sb, 1, ROWS16_PREFETCH / 8), prefetch_ahead(mb, 1, ROWS16_PREFETCH / 8);
       }
-      std::array<std::array<__m256i, A>, M> sums;
-      for (auto& row : sums) row.fill(_mm256_setzero_si256());
+      std::array<__m256i, M> sums;  // one int32 chain a row: four rows and more are chains enough side by side
+      sums.fill(_mm256_setzero_si256());
       const int32_t* pb = pairs + b * 16 * M;
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
         __m256i t = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cb + 32 * j + 16 * h)));
         __m256i first = _mm256_and_si256(t, low), second = _mm256_srli_epi16(t, 4);  // codes 2j.., 2j + 16..
         for (int i = 0; i < M; ++i) {
-          auto& s0 = sums[i][j % A];
-          s0 = madd_add(s0, first, pb + j * M + i);
-          auto& s1 = sums[i][(j + A / 2) % A];
-          s1 = madd_add(s1, second, pb + (8 + j) * M + i);
+          sums[i] = madd_add(sums[i], first, pb + j * M + i);
+          sums[i] = madd_add(sums[i], second, pb + (8 + j) * M + i);
         }
       }
-      add_block8<M, A>(sums, halves8(sb), acc);
+      add_block8<M>(sums, halves8(sb), acc);
       if ((b * QK) % G == G - QK) {  // the group's last block: its minimums times the group's activation sums
         __m256 minimum = halves8(mb);
         for (int i = 0; i < M; ++i)
@@ -1122,7 +1115,6 @@ template <int M>
 void int8_halves16(const int8_t* c, const uint16_t* sc, int64_t k, int64_t groups, const QuantizedRows& x,
                    const int32_t* grid, int64_t r0, float* out, int64_t g0, int64_t g1, int64_t n) {
   const int64_t nb = k / QK, per = nb / groups;  // blocks a scale group
-  constexpr int A = 1;
   const int32_t* pairs = grid + r0 * k / 2;
   each_row_half8<M>(x, r0, out, g0, g1, n, [&](int64_t gi, int h, std::array<__m256, M>& acc) {
     const int8_t* cg = c + gi * nb * INT8_BLOCK_BYTES;
@@ -1134,15 +1126,15 @@ void int8_halves16(const int8_t* c, const uint16_t* sc, int64_t k, int64_t group
         prefetch_ahead(cb, INT8_BLOCK_BYTES, ROWS16_PREFETCH);
         if (b % per == 0) prefetch_ahead(sb, 1, ROWS16_PREFETCH / 16);
       }
-      std::array<std::array<__m256i, A>, M> sums;
-      for (auto& row : sums) row.fill(_mm256_setzero_si256());
+      std::array<__m256i, M> sums;  // one int32 chain a row
+      sums.fill(_mm256_setzero_si256());
       const int32_t* pb = pairs + b * 16 * M;
 #pragma GCC unroll 16
       for (int j = 0; j < 16; ++j) {  // codes 2j, 2j + 1 of each row: the block's half j / 8, pair j % 8
         __m256i codes = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cb + 32 * j + 16 * h)));
-        for (int i = 0; i < M; ++i) sums[i][j % A] = madd_add(sums[i][j % A], codes, pb + j * M + i);
+        for (int i = 0; i < M; ++i) sums[i] = madd_add(sums[i], codes, pb + j * M + i);
       }
-      add_block8<M, A>(sums, halves8(sb), acc);
+      add_block8<M>(sums, halves8(sb), acc);
     }
   });
 }
@@ -3535,6 +3527,27 @@ __attribute__((always_inline)) inline void seeing_threes(const int64_t* last, in
   }
 }
 
+// the vectors that see a block from `from` on, three at a time: each put on its integer grid in its own slot (dp
+// apart; prepare(vector, slot, &bias) returns its step), then score(count, slots, steps, biases, where each vector's
+// scores of the block go)
+template <typename Q, typename Prepare, typename Score>
+__attribute__((always_inline)) inline void score_seeing_threes(const float* q, int64_t d, int64_t dp,
+                                                               const int64_t* last, int64_t nq, int64_t from, Q* slots,
+                                                               float* scores, int64_t padded, Prepare prepare,
+                                                               Score score) {
+  seeing_threes(last, nq, from, [&](const int64_t* take, auto count) {
+    constexpr int NV = decltype(count)::value;
+    const Q* qv[NV];
+    float dq[NV], bias[NV], *out[NV];
+    for (int v = 0; v < NV; ++v) {
+      Q* slot = slots + v * dp;
+      dq[v] = prepare(q + take[v] * d, slot, bias + v);
+      qv[v] = slot, out[v] = scores + take[v] * padded + from;
+    }
+    score(count, qv, dq, bias, out);
+  });
+}
+
 // the scores of every vector against one block of codes [s, e) (one set of key scales `prm`): AVX2 reads the codes
 // where they lie for the common head sizes (score_int8_rows, score_int4_rows), else from a widened or unpacked copy
 template <int BITS>
@@ -3562,18 +3575,16 @@ inline void score_int_block(const float* q, const uint8_t* const* code, const ui
     auto& qb = scratch.qb;
     if (int4_rows_fit(d)) {  // straight from the packed rows, the vectors that see this block three at a time
       qb.resize(3 * dp);
-      seeing_threes(last, nq, s - k0, [&](const int64_t* take, auto count) {
-        constexpr int NV = decltype(count)::value;
-        const int8_t* qv[NV];
-        float dq[NV], bias[NV], *out[NV];
-        for (int v = 0; v < NV; ++v) {
-          int8_t* slot = qb.data() + v * dp;
-          dq[v] = query_int8(q + take[v] * d, sc, mn, d, dp, qs.data(), slot, bias + v);
-          qv[v] = slot, out[v] = scores + take[v] * padded + s - k0;
-        }
-        if (d == 64) score_int4_rows<1, NV>(code, e - s, qv, dq, bias, out);
-        else score_int4_rows<2, NV>(code, e - s, qv, dq, bias, out);
-      });
+      score_seeing_threes(
+          q, d, dp, last, nq, s - k0, qb.data(), scores, padded,
+          [&](const float* v, int8_t* slot, float* bias) {
+            return query_int8(v, sc, mn, d, dp, qs.data(), slot, bias);
+          },
+          [&](auto count, const int8_t* const* qv, const float* dq, const float* bias, float* const* out) {
+            constexpr int NV = decltype(count)::value;
+            if (d == 64) score_int4_rows<1, NV>(code, e - s, qv, dq, bias, out);
+            else score_int4_rows<2, NV>(code, e - s, qv, dq, bias, out);
+          });
       return;
     }
     unpacked.resize((e - s) * dp);
@@ -3588,17 +3599,14 @@ inline void score_int_block(const float* q, const uint8_t* const* code, const ui
   }
   if (int8_rows_fit(d)) {  // the vectors that see this block, three at a time
     qi.resize(3 * dp);
-    seeing_threes(last, nq, s - k0, [&](const int64_t* take, auto count) {
-      constexpr int NV = decltype(count)::value;
-      const int16_t* qv[NV];
-      float dq[NV], bias[NV], *out[NV];
-      for (int v = 0; v < NV; ++v) {
-        int16_t* slot = qi.data() + v * dp;
-        dq[v] = query_int16(q + take[v] * d, sc, mn, d, dp, qs.data(), slot, bias + v);
-        qv[v] = slot, out[v] = scores + take[v] * padded + s - k0;
-      }
-      score_int8_rows_any<NV>(code, e - s, d, qv, dq, bias, out);
-    });
+    score_seeing_threes(
+        q, d, dp, last, nq, s - k0, qi.data(), scores, padded,
+        [&](const float* v, int16_t* slot, float* bias) {
+          return query_int16(v, sc, mn, d, dp, qs.data(), slot, bias);
+        },
+        [&](auto count, const int16_t* const* qv, const float* dq, const float* bias, float* const* out) {
+          score_int8_rows_any<decltype(count)::value>(code, e - s, d, qv, dq, bias, out);
+        });
     return;
   }
   wide.resize((e - s) * dp);
